@@ -1,0 +1,114 @@
+"""A model's manifest: what its ONNX file expects and how its scores become decisions.
+
+A model lives in ``models/<name>/<version>/`` with ``model.onnx`` and ``manifest.json``. The
+manifest is read once at load time and is the single source for validation, padding,
+thresholds, optimization profiles and precision tolerances.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = [
+    "HistorySpec",
+    "Manifest",
+    "ProfileSpec",
+    "Thresholds",
+    "Tolerance",
+    "load_manifest",
+]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class HistorySpec(_Frozen):
+    """The variable-length sequence of an entity's recent events."""
+
+    input: str = Field("history", description="ONNX input name of the (batch, length, fields) tensor.")
+    mask_input: str = Field(
+        "history_mask", description="ONNX input name of the (batch, length) 1/0 validity mask."
+    )
+    fields: tuple[str, ...] = Field(description="Names of the per-row fields, in tensor order.")
+    max_length: int = Field(gt=0, description="Hard limit on rows a request may carry.")
+    min_padded_length: int = Field(
+        1, ge=1, description="Batches are padded to at least this many rows (models need T >= 1)."
+    )
+
+
+class Thresholds(_Frozen):
+    """Score cut-offs: below `review` approves, from `review` reviews, from `decline` declines."""
+
+    review: float = Field(ge=0.0, le=1.0)
+    decline: float = Field(ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Thresholds:
+        if self.decline < self.review:
+            raise ValueError("thresholds.decline must be >= thresholds.review")
+        return self
+
+    def decide(self, score: float) -> str:
+        if score >= self.decline:
+            return "DECLINE"
+        if score >= self.review:
+            return "REVIEW"
+        return "APPROVE"
+
+
+class ProfileSpec(_Frozen):
+    """One TensorRT optimization profile: min/opt/max of batch size and history length."""
+
+    batch: tuple[int, int, int]
+    history_length: tuple[int, int, int] | None = None
+
+
+class Tolerance(_Frozen):
+    """How far a reduced-precision variant may stray from FP32 before it is refused."""
+
+    max_abs_error: float = 0.05
+    auc_drop: float = 0.005
+    flip_rate: float = 0.01
+
+
+class Manifest(_Frozen):
+    """Everything the server needs to know about one model version besides its weights."""
+
+    name: str
+    version: str
+    description: str = ""
+    features_input: str = Field("features", description="ONNX input name of the (batch, n) tensor.")
+    features: tuple[str, ...] = Field(min_length=1, description="Tabular feature names in order.")
+    history: HistorySpec | None = None
+    output: str = Field("score", description="ONNX output holding one probability per row.")
+    nan_policy: Literal["reject", "zero"] = Field(
+        "reject", description="reject: NaN/Inf is INVALID_ARGUMENT; zero: replaced by 0."
+    )
+    thresholds: Thresholds
+    fallback_decision: Literal["APPROVE", "REVIEW", "DECLINE"] = Field(
+        "REVIEW", description="Decision given when a request is degraded (no score in time)."
+    )
+    max_batch_size: int = Field(256, gt=0, description="Most rows one ScoreBatch may carry.")
+    profiles: dict[str, tuple[ProfileSpec, ...]] = Field(
+        default_factory=dict, description="TensorRT profiles per precision (fp32, fp16, int8)."
+    )
+    variants: dict[str, str] = Field(
+        default_factory=dict, description="Precision -> ONNX file name, besides fp32 model.onnx."
+    )
+    calibration: str | None = Field(None, description="npz file of representative inputs.")
+    tolerance: Tolerance = Tolerance()
+
+    @property
+    def n_features(self) -> int:
+        return len(self.features)
+
+
+def load_manifest(model_dir: Path) -> Manifest:
+    """Read and validate ``manifest.json`` in a model version folder."""
+    path = model_dir / "manifest.json"
+    return Manifest.model_validate(json.loads(path.read_text()))
