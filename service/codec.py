@@ -1,0 +1,245 @@
+"""Protobuf messages to validated numpy rows and back: the only module that touches both.
+
+Every check names the offending field the way the caller wrote it (``features['amount']``,
+``requests[3].history[7].values``, ``inputs[1].shape``) so a bad request can be fixed from the
+status message alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.manifest import Manifest
+from inference import grpc_service_pb2 as oip
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from service.errors import InvalidRequest
+
+__all__ = [
+    "DECISIONS",
+    "RowBatch",
+    "decode_infer_request",
+    "decode_score_batch",
+    "decode_score_request",
+    "encode_infer_response",
+]
+
+DECISIONS = {"APPROVE": pb.APPROVE, "REVIEW": pb.REVIEW, "DECLINE": pb.DECLINE}
+
+
+@dataclass(frozen=True, slots=True)
+class RowBatch:
+    """Validated rows of one model: what the batcher queues and the engines consume."""
+
+    features: np.ndarray  # (n, F) float32
+    history: np.ndarray | None  # (n, T, H) float32, zero-padded after each row's length
+    mask: np.ndarray | None  # (n, T) float32, 1 for a real row, 0 for padding
+
+    @property
+    def rows(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def history_length(self) -> int:
+        return 0 if self.history is None else int(self.history.shape[1])
+
+
+def _finite(values: np.ndarray, field: str, manifest: Manifest) -> np.ndarray:
+    if np.isfinite(values).all():
+        return values
+    if manifest.nan_policy == "zero":
+        return np.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0)
+    raise InvalidRequest(field, "NaN or infinite values are not allowed by this model")
+
+
+def _feature_vector(features: object, manifest: Manifest, prefix: str) -> np.ndarray:
+    fmap = dict(features)  # type: ignore[call-overload]
+    names = manifest.features
+    try:
+        if len(fmap) != len(names):
+            raise KeyError
+        values = np.array([fmap[name] for name in names], dtype=np.float32)
+    except KeyError:
+        unknown = sorted(set(fmap) - set(names))
+        if unknown:
+            raise InvalidRequest(f"{prefix}features[{unknown[0]!r}]", "unknown feature") from None
+        missing = [n for n in names if n not in fmap]
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise InvalidRequest(f"{prefix}features", f"missing {len(missing)}: {shown}") from None
+    if not np.isfinite(values).all():
+        bad = next(n for n, v in zip(names, values, strict=True) if not np.isfinite(v))
+        values = _finite(values, f"{prefix}features[{bad!r}]", manifest)
+    return values
+
+
+def _history_matrix(rows: Sequence[pb.HistoryRow], manifest: Manifest, prefix: str) -> np.ndarray:
+    spec = manifest.history
+    if spec is None:
+        if rows:
+            raise InvalidRequest(f"{prefix}history", "this model takes no history")
+        return np.zeros((0, 0), dtype=np.float32)
+    width = len(spec.fields)
+    if len(rows) > spec.max_length:
+        raise InvalidRequest(
+            f"{prefix}history", f"{len(rows)} rows exceed the limit of {spec.max_length}"
+        )
+    for i, row in enumerate(rows):
+        if len(row.values) != width:
+            raise InvalidRequest(
+                f"{prefix}history[{i}].values",
+                f"has {len(row.values)} values, expected {width} ({', '.join(spec.fields)})",
+            )
+    flat = np.fromiter(
+        itertools.chain.from_iterable(r.values for r in rows),
+        dtype=np.float32,
+        count=len(rows) * width,
+    )
+    matrix = flat.reshape(len(rows), width)
+    return _finite(matrix, f"{prefix}history", manifest)
+
+
+def _stack(vectors: list[np.ndarray], histories: list[np.ndarray], manifest: Manifest) -> RowBatch:
+    features = np.stack(vectors)
+    spec = manifest.history
+    if spec is None:
+        return RowBatch(features, None, None)
+    length = max(spec.min_padded_length, max(h.shape[0] for h in histories))
+    history = np.zeros((len(histories), length, len(spec.fields)), dtype=np.float32)
+    mask = np.zeros((len(histories), length), dtype=np.float32)
+    for i, h in enumerate(histories):
+        history[i, : h.shape[0]] = h
+        mask[i, : h.shape[0]] = 1.0
+    return RowBatch(features, history, mask)
+
+
+def decode_score_request(
+    request: pb.ScoreRequest, manifest: Manifest, prefix: str = ""
+) -> RowBatch:
+    vector = _feature_vector(request.features, manifest, prefix)
+    history = _history_matrix(request.history, manifest, prefix)
+    return _stack([vector], [history], manifest)
+
+
+def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> RowBatch:
+    n = len(request.requests)
+    if n == 0:
+        raise InvalidRequest("requests", "is empty")
+    if n > manifest.max_batch_size:
+        raise InvalidRequest("requests", f"{n} rows exceed the limit of {manifest.max_batch_size}")
+    vectors, histories = [], []
+    for i, item in enumerate(request.requests):
+        prefix = f"requests[{i}]."
+        if item.model and item.model != request.model:
+            raise InvalidRequest(f"{prefix}model", "must be empty or equal the batch's model")
+        vectors.append(_feature_vector(item.features, manifest, prefix))
+        histories.append(_history_matrix(item.history, manifest, prefix))
+    return _stack(vectors, histories, manifest)
+
+
+_OIP_DTYPES = {"FP32": np.float32}
+
+
+def _tensor(
+    request: oip.ModelInferRequest, index: int, tensor: oip.ModelInferRequest.InferInputTensor
+) -> np.ndarray:
+    field = f"inputs[{index}]"
+    if tensor.datatype not in _OIP_DTYPES:
+        raise InvalidRequest(f"{field}.datatype", f"{tensor.datatype!r} is not FP32")
+    shape = tuple(int(d) for d in tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidRequest(f"{field}.shape", f"{list(shape)} has a negative dimension")
+    count = int(np.prod(shape)) if shape else 1
+    if request.raw_input_contents:
+        if index >= len(request.raw_input_contents):
+            raise InvalidRequest("raw_input_contents", f"has no entry for inputs[{index}]")
+        raw = request.raw_input_contents[index]
+        if len(raw) != count * 4:
+            raise InvalidRequest(
+                f"raw_input_contents[{index}]",
+                f"has {len(raw)} bytes, shape {list(shape)} of FP32 needs {count * 4}",
+            )
+        values = np.frombuffer(raw, dtype="<f4")
+    else:
+        contents = tensor.contents.fp32_contents
+        if len(contents) != count:
+            raise InvalidRequest(
+                f"{field}.contents.fp32_contents",
+                f"has {len(contents)} values, shape {list(shape)} needs {count}",
+            )
+        values = np.array(contents, dtype=np.float32)
+    return values.reshape(shape)
+
+
+def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> RowBatch:
+    """OIP tensors named as the model's ONNX inputs, checked against the manifest."""
+    spec = manifest.history
+    expected = {manifest.features_input: 2}
+    if spec is not None:
+        expected |= {spec.input: 3, spec.mask_input: 2}
+    arrays: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        if tensor.name not in expected:
+            raise InvalidRequest(
+                f"inputs[{i}].name", f"{tensor.name!r} is not one of {sorted(expected)}"
+            )
+        array = _tensor(request, i, tensor)
+        if array.ndim != expected[tensor.name]:
+            raise InvalidRequest(
+                f"inputs[{i}].shape",
+                f"{list(array.shape)} should have {expected[tensor.name]} dimensions",
+            )
+        arrays[tensor.name] = array
+    missing = sorted(set(expected) - set(arrays))
+    if missing:
+        raise InvalidRequest("inputs", f"missing {', '.join(missing)}")
+    features = arrays[manifest.features_input]
+    n = features.shape[0]
+    if n == 0:
+        raise InvalidRequest("inputs", "batch is empty")
+    if n > manifest.max_batch_size:
+        raise InvalidRequest("inputs", f"{n} rows exceed the limit of {manifest.max_batch_size}")
+    if features.shape[1] != manifest.n_features:
+        raise InvalidRequest(
+            f"{manifest.features_input}.shape",
+            f"has {features.shape[1]} features, expected {manifest.n_features}",
+        )
+    features = _finite(features, manifest.features_input, manifest)
+    if spec is None:
+        return RowBatch(np.ascontiguousarray(features), None, None)
+    history, mask = arrays[spec.input], arrays[spec.mask_input]
+    if history.shape[0] != n or mask.shape[0] != n:
+        raise InvalidRequest("inputs", "all inputs must have the same batch dimension")
+    if history.shape[2] != len(spec.fields):
+        raise InvalidRequest(
+            f"{spec.input}.shape",
+            f"rows have {history.shape[2]} fields, expected {len(spec.fields)}",
+        )
+    if history.shape[1] > spec.max_length:
+        raise InvalidRequest(
+            f"{spec.input}.shape", f"{history.shape[1]} rows exceed the limit of {spec.max_length}"
+        )
+    if history.shape[1] == 0:
+        raise InvalidRequest(f"{spec.input}.shape", "needs at least one (possibly masked) row")
+    if mask.shape[1] != history.shape[1]:
+        raise InvalidRequest(f"{spec.mask_input}.shape", "must match the history length")
+    history = _finite(history, spec.input, manifest)
+    if not np.isin(mask, (0.0, 1.0)).all():
+        raise InvalidRequest(spec.mask_input, "values must be 0 or 1")
+    return RowBatch(
+        np.ascontiguousarray(features), np.ascontiguousarray(history), np.ascontiguousarray(mask)
+    )
+
+
+def encode_infer_response(
+    request: oip.ModelInferRequest, version: str, output: str, scores: np.ndarray
+) -> oip.ModelInferResponse:
+    column = np.ascontiguousarray(scores, dtype="<f4").reshape(-1, 1)
+    response = oip.ModelInferResponse(
+        model_name=request.model_name, model_version=version, id=request.id
+    )
+    response.outputs.add(name=output, datatype="FP32", shape=list(column.shape))
+    response.raw_output_contents.append(column.tobytes())
+    return response

@@ -1,0 +1,136 @@
+"""Settings: read once, in the composition root, from RISKSERVE_* variables and a config file.
+
+Precedence, highest first: keyword arguments, environment variables, the JSON or TOML file named
+by ``RISKSERVE_CONFIG_FILE``, the defaults below. The standard ``OTEL_*`` variables are left to
+the OpenTelemetry SDK, which reads them itself.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+__all__ = ["Settings"]
+
+_CONFIG_FILE_VAR = "RISKSERVE_CONFIG_FILE"
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Values from the JSON or TOML file named by RISKSERVE_CONFIG_FILE, if set."""
+
+    def __init__(self, settings_cls: type[BaseSettings], path: str | None) -> None:
+        super().__init__(settings_cls)
+        self._path = path
+
+    def get_field_value(self, field: Any, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        if not self._path:
+            return {}
+        path = Path(self._path)
+        text = path.read_text()
+        data: dict[str, Any] = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return data
+
+
+class Settings(BaseSettings):
+    """Every knob of a riskserve process."""
+
+    model_config = SettingsConfigDict(env_prefix="RISKSERVE_", extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    models_dir: Path = Field(Path("models"), description="Root of models/<name>/<version>/.")
+    default_model: str = Field("fraud-demo", description="Model used when a request names none.")
+    budget_ms: float = Field(10.0, gt=0, description="Deadline for requests that carry none.")
+    max_batch_size: int = Field(64, ge=1, description="Most rows in one engine batch; 1 = off.")
+    max_queue_rows: int = Field(2048, ge=1, description="Rows waiting per model before shedding.")
+    max_queue_delay_us: int = Field(
+        0, ge=0, description="Extra wait for a fuller batch when the engine is idle."
+    )
+    engine_workers: int = Field(
+        0, ge=0, description="Batches in flight per model; 0 = the engine's own concurrency."
+    )
+    engine_threads: int = Field(1, ge=1, description="Intra-op threads of each ONNX Runtime run.")
+    degrade_on_deadline: bool = Field(
+        False, description="Answer late requests with the fallback decision instead of failing."
+    )
+    max_message_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest gRPC message.")
+    shutdown_grace_s: float = Field(5.0, ge=0, description="Drain time after SIGTERM.")
+    reflection: bool = Field(True, description="Serve gRPC server reflection.")
+    allow_insecure: bool = Field(
+        False, description="Permit plaintext gRPC on a non-loopback address."
+    )
+    tls_cert_file: Path | None = Field(None, description="PEM certificate chain for TLS.")
+    tls_key_file: Path | None = Field(None, description="PEM private key for TLS.")
+    tls_client_ca_file: Path | None = Field(None, description="CA bundle; set to require mTLS.")
+    trace_slow_ms: float | None = Field(
+        None, gt=0, description="Traces at least this slow are always kept (default: budget / 2)."
+    )
+    trace_sample_ratio: float = Field(
+        0.01, ge=0, le=1, description="Share of the other traces kept."
+    )
+    trace_export_all: bool = Field(
+        False, description="Export every span (the Collector does tail sampling)."
+    )
+    trace_file: Path | None = Field(
+        Path("traces.jsonl"), description="JSON-lines trace file when no OTLP exporter is set."
+    )
+    metrics_port: int | None = Field(
+        9464, ge=0, le=65535, description="Prometheus /metrics port on 127.0.0.1; unset disables."
+    )
+    stats_interval_s: float = Field(
+        0.0, ge=0, description="Log live p50/p99 per stage this often; 0 disables."
+    )
+    warmup_iterations: int = Field(
+        3, ge=0, description="Timed runs per batch size at start, seeding the latency model."
+    )
+
+    @model_validator(mode="after")
+    def _secure_binding(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be set together")
+        if self.tls_cert_file is None and not self.allow_insecure and not _is_loopback(self.host):
+            raise ValueError(
+                f"refusing plaintext gRPC on non-loopback host {self.host!r}: set "
+                "RISKSERVE_TLS_CERT_FILE and RISKSERVE_TLS_KEY_FILE, "
+                "or RISKSERVE_ALLOW_INSECURE=true"
+            )
+        return self
+
+    @property
+    def budget_s(self) -> float:
+        return self.budget_ms / 1000.0
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        config_file = _ConfigFileSource(settings_cls, os.environ.get(_CONFIG_FILE_VAR))
+        return (init_settings, env_settings, config_file)
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,123 @@
+"""`riskscoring.v1.RiskScoring`: Score, ScoreBatch, GetModelInfo."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import grpc
+
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+from service.batcher import Scored
+from service.codec import DECISIONS, decode_score_batch, decode_score_request
+from service.handlers.boundary import deadline_for, rpc_boundary
+from service.registry import ModelRegistry, ModelVersion
+
+__all__ = ["RiskScoringServicer"]
+
+
+class RiskScoringServicer(pb_grpc.RiskScoringServicer):
+    def __init__(self, registry: ModelRegistry, default_model: str, budget_s: float) -> None:
+        self._registry = registry
+        self._default_model = default_model
+        self._budget_s = budget_s
+
+    def _model(self, name: str, version: str) -> ModelVersion:
+        return self._registry.get(name or self._default_model, version)
+
+    @rpc_boundary
+    async def Score(
+        self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreResponse:
+        started = time.perf_counter()
+        model = self._model(request.model, request.model_version)
+        rows = decode_score_request(request, model.manifest)
+        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        return _response(request.request_id, model, scored, 0, started)
+
+    @rpc_boundary
+    async def ScoreBatch(
+        self, request: pb.ScoreBatchRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScoreBatchResponse:
+        started = time.perf_counter()
+        model = self._model(request.model, request.model_version)
+        rows = decode_score_batch(request, model.manifest)
+        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        return pb.ScoreBatchResponse(
+            responses=[
+                _response(item.request_id, model, scored, i, started)
+                for i, item in enumerate(request.requests)
+            ]
+        )
+
+    @rpc_boundary
+    async def GetModelInfo(
+        self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ModelInfo:
+        model = self._model(request.model, request.model_version)
+        manifest = model.manifest
+        history = manifest.history
+        health = model.pool.health
+        engines = []
+        for engine in model.engines():
+            lengths = [
+                s.dims[1].max_value
+                for p in engine.profiles
+                for s in p.inputs
+                if history is not None and s.name == history.input and len(s.dims) > 1
+            ]
+            max_length = 0 if not lengths or None in lengths else max(v or 0 for v in lengths)
+            engines.append(
+                pb.EngineInfo(
+                    name=engine.name,
+                    kind=engine.kind,
+                    precision=engine.precision,
+                    max_batch_size=engine.max_batch_size or 0,
+                    max_history_length=max_length,
+                    healthy=health[engine.name].healthy if engine.name in health else True,
+                )
+            )
+        return pb.ModelInfo(
+            model=manifest.name,
+            model_version=manifest.version,
+            versions=self._registry.versions(manifest.name),
+            feature_names=manifest.features,
+            history_fields=history.fields if history else (),
+            max_history_length=history.max_length if history else 0,
+            max_batch_size=manifest.max_batch_size,
+            nan_policy=manifest.nan_policy,
+            thresholds=pb.Thresholds(
+                review=manifest.thresholds.review, decline=manifest.thresholds.decline
+            ),
+            engines=engines,
+            description=manifest.description,
+        )
+
+
+def _response(
+    request_id: str, model: ModelVersion, scored: Scored, row: int, started: float
+) -> pb.ScoreResponse:
+    manifest = model.manifest
+    score = float(scored.scores[row])
+    if scored.degraded or math.isnan(score):
+        decision = manifest.fallback_decision
+        score = 0.0
+    else:
+        decision = manifest.thresholds.decide(score)
+    return pb.ScoreResponse(
+        request_id=request_id,
+        score=score,
+        decision=DECISIONS[decision],
+        model=manifest.name,
+        model_version=manifest.version,
+        engine=scored.engine,
+        fallback_reason=scored.fallback_reason,
+        degraded=scored.degraded,
+        timings=pb.Timings(
+            total_us=int((time.perf_counter() - started) * 1e6),
+            queue_us=int(scored.queue_s * 1e6),
+            engine_us=int(scored.engine_s * 1e6),
+            batch_size=scored.batch_rows,
+        ),
+    )

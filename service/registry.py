@@ -1,0 +1,274 @@
+"""Loaded models: one `ModelVersion` (manifest, engine pool, batcher) per folder under models/.
+
+``models/<name>/<version>/`` holds ``model.onnx`` and ``manifest.json``; any ONNX model with a
+manifest serves. The serving version of a model is its highest version unless pinned. Versions
+can be loaded beside the serving one and switched to atomically (`activate`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engines.base import Engine, EngineError
+from engines.manifest import Manifest, load_manifest
+from engines.onnxrt import OnnxRuntimeEngine
+from engines.pool import EnginePool
+from service.batcher import BatchOutcome, EngineTimeModel, MicroBatcher
+from service.codec import RowBatch
+from service.errors import ModelNotFound, ScoringFailed, Unavailable
+
+__all__ = ["ModelRegistry", "ModelVersion", "discover_models", "version_key"]
+
+log = logging.getLogger(__name__)
+
+
+def version_key(version: str) -> tuple[int, int | str]:
+    """Numeric versions sort numerically and after any non-numeric ones."""
+    return (1, int(version)) if version.isdigit() else (0, version)
+
+
+def discover_models(models_dir: Path) -> dict[str, list[Path]]:
+    """Model name -> version folders (sorted, lowest first) that hold a manifest."""
+    found: dict[str, list[Path]] = {}
+    if not models_dir.is_dir():
+        return found
+    for manifest in sorted(models_dir.glob("*/*/manifest.json")):
+        version_dir = manifest.parent
+        found.setdefault(version_dir.parent.name, []).append(version_dir)
+    for versions in found.values():
+        versions.sort(key=lambda p: version_key(p.name))
+    return found
+
+
+@dataclass
+class ModelVersion:
+    """One servable model version: what the handlers need to score rows."""
+
+    manifest: Manifest
+    path: Path
+    pool: EnginePool
+    batcher: MicroBatcher
+    loaded_at: float = field(default_factory=time.time)
+
+    @property
+    def name(self) -> str:
+        return self.manifest.name
+
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+    def run_batch(self, rows: RowBatch) -> BatchOutcome:
+        return run_on_pool(self.manifest, self.pool, rows)
+
+    def engines(self) -> Iterator[Engine]:
+        yield from self.pool.engines
+        yield self.pool.fallback
+
+
+def model_feed(manifest: Manifest, rows: RowBatch) -> dict[str, np.ndarray]:
+    """The engine inputs for validated rows, named as the model's ONNX inputs."""
+    inputs = {manifest.features_input: rows.features}
+    spec = manifest.history
+    if spec is not None and rows.history is not None and rows.mask is not None:
+        inputs[spec.input] = rows.history
+        inputs[spec.mask_input] = rows.mask
+    return inputs
+
+
+def run_on_pool(manifest: Manifest, pool: EnginePool, rows: RowBatch) -> BatchOutcome:
+    """Score merged rows on the engine pool (runs on an engine thread)."""
+    started = time.perf_counter()
+    try:
+        result = pool.run(model_feed(manifest, rows))
+    except EngineError as exc:
+        raise ScoringFailed("no engine could score the batch") from exc
+    engine_s = time.perf_counter() - started
+    scores = np.asarray(result.outputs[manifest.output], dtype=np.float32).reshape(-1)
+    return BatchOutcome(scores, result.engine_name, result.fallback_reason, engine_s)
+
+
+EngineFactory = Callable[[Path, Manifest], tuple[list[Engine], Engine]]
+
+
+def onnxruntime_engines(intra_op_threads: int, max_concurrency: int) -> EngineFactory:
+    """The embedded default: ONNX Runtime for fp32, which is also the fallback."""
+
+    def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
+        fallback = OnnxRuntimeEngine.from_model_dir(
+            path, manifest, intra_op_threads=intra_op_threads, max_concurrency=max_concurrency
+        )
+        return [], fallback
+
+    return build
+
+
+class ModelRegistry:
+    """The models this process serves, keyed by name, each with a serving version."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        engine_factory: EngineFactory,
+        *,
+        max_batch_rows: int,
+        max_queue_rows: int,
+        workers: int,
+        max_queue_delay_s: float,
+        warmup_iterations: int,
+        degrade_on_deadline: bool,
+        on_shed: Callable[[str, str, int], None] | None = None,
+    ) -> None:
+        self._executor = executor
+        self._engine_factory = engine_factory
+        self._max_batch_rows = max_batch_rows
+        self._max_queue_rows = max_queue_rows
+        self._workers = workers
+        self._max_queue_delay_s = max_queue_delay_s
+        self._warmup_iterations = warmup_iterations
+        self._degrade = degrade_on_deadline
+        self._on_shed = on_shed
+        self._versions: dict[str, dict[str, ModelVersion]] = {}
+        self._serving: dict[str, str] = {}
+        self.ready = False
+
+    # -- lookups (event loop) -------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return sorted(self._serving)
+
+    def versions(self, name: str) -> list[str]:
+        return sorted(self._versions.get(name, {}), key=version_key)
+
+    def get(self, name: str, version: str = "") -> ModelVersion:
+        versions = self._versions.get(name)
+        if not versions:
+            raise ModelNotFound(f"model {name!r} is not loaded")
+        if not version:
+            return versions[self._serving[name]]
+        try:
+            return versions[version]
+        except KeyError:
+            raise ModelNotFound(f"model {name!r} has no version {version!r} loaded") from None
+
+    def all(self) -> Iterator[ModelVersion]:
+        for versions in self._versions.values():
+            yield from versions.values()
+
+    # -- loading ------------------------------------------------------------------------
+
+    async def load_dir(self, models_dir: Path) -> None:
+        """Load every model version found under `models_dir`; serve each model's highest."""
+        found = discover_models(models_dir)
+        if not found:
+            raise Unavailable(f"no model with a manifest.json under {models_dir}")
+        for versions in found.values():
+            for path in versions:
+                await self.load(path, activate=True)
+        self.ready = True
+
+    async def load(self, path: Path, *, activate: bool) -> ModelVersion:
+        """Load and warm one version folder beside what serves; optionally switch to it."""
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(self._executor, self._build, path)
+        model.batcher.start()
+        self._versions.setdefault(model.name, {})[model.version] = model
+        current = self._serving.get(model.name)
+        if activate and (current is None or version_key(model.version) >= version_key(current)):
+            self.activate(model.name, model.version)
+        return model
+
+    def activate(self, name: str, version: str) -> None:
+        """Make `version` the one requests without a version get; atomic on the event loop."""
+        self.get(name, version)
+        self._serving[name] = version
+        log.info("serving %s version %s", name, version)
+
+    async def unload(self, name: str, version: str, drain_s: float) -> None:
+        """Drain and drop a version that no longer serves."""
+        if self._serving.get(name) == version:
+            raise ValueError(f"{name} {version} is serving; activate another version first")
+        model = self._versions[name].pop(version)
+        await model.batcher.close(drain_s)
+        for engine in model.engines():
+            engine.close()
+
+    async def close(self, drain_s: float) -> None:
+        await asyncio.gather(*(m.batcher.close(drain_s) for m in self.all()))
+        for model in self.all():
+            for engine in model.engines():
+                engine.close()
+
+    def _build(self, path: Path) -> ModelVersion:
+        manifest = load_manifest(path)
+        if manifest.version != path.name or manifest.name != path.parent.name:
+            raise Unavailable(
+                f"{path}: manifest names {manifest.name}/{manifest.version}, "
+                f"folder is {path.parent.name}/{path.name}"
+            )
+        engines, fallback = self._engine_factory(path, manifest)
+        pool = EnginePool.for_manifest(manifest, engines, fallback)
+        max_rows = min(self._max_batch_rows, manifest.max_batch_size)
+        workers = self._workers or max(e.max_concurrency for e in [*engines, fallback])
+        time_model = EngineTimeModel()
+        on_shed = self._on_shed
+
+        def shed(reason: str, rows: int) -> None:
+            if on_shed is not None:
+                on_shed(manifest.name, reason, rows)
+
+        batcher = MicroBatcher(
+            functools.partial(run_on_pool, manifest, pool),
+            self._executor,
+            max_batch_rows=max_rows,
+            max_queue_rows=self._max_queue_rows,
+            workers=workers,
+            max_queue_delay_s=self._max_queue_delay_s,
+            time_model=time_model,
+            on_shed=shed,
+            degrade_on_deadline=self._degrade,
+        )
+        model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
+        self._warm(model, time_model, max_rows)
+        log.info(
+            "loaded %s/%s from %s: engines %s, fallback %s, batch <= %d, %d workers",
+            manifest.name,
+            manifest.version,
+            path,
+            [e.name for e in engines],
+            fallback.name,
+            max_rows,
+            workers,
+        )
+        return model
+
+    def _warm(self, model: ModelVersion, time_model: EngineTimeModel, max_rows: int) -> None:
+        """Run each power-of-two batch size to seed the engine-time model."""
+        manifest = model.manifest
+        length = min(32, manifest.history.max_length) if manifest.history else 0
+        sizes = sorted(
+            {1, max_rows, *(2**k for k in range(max_rows.bit_length()) if 2**k <= max_rows)}
+        )
+        for _ in range(self._warmup_iterations):
+            for rows in sizes:
+                batch = _warmup_rows(manifest, rows, length)
+                outcome = model.run_batch(batch)
+                time_model.observe(rows, length, outcome.engine_s)
+
+
+def _warmup_rows(manifest: Manifest, rows: int, length: int) -> RowBatch:
+    features = np.zeros((rows, manifest.n_features), dtype=np.float32)
+    if manifest.history is None:
+        return RowBatch(features, None, None)
+    history = np.zeros((rows, max(length, 1), len(manifest.history.fields)), dtype=np.float32)
+    mask = np.ones((rows, max(length, 1)), dtype=np.float32)
+    return RowBatch(features, history, mask)

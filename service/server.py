@@ -1,0 +1,135 @@
+"""The composition root: builds everything from one `Settings` and runs the gRPC server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from inference import grpc_service_pb2 as oip
+from inference import grpc_service_pb2_grpc as oip_grpc
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+from service.config import Settings
+from service.handlers import InferenceServicer, RiskScoringServicer
+from service.registry import ModelRegistry, onnxruntime_engines
+
+__all__ = ["RiskServer", "build_server", "serve"]
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAMES = (
+    pb.DESCRIPTOR.services_by_name["RiskScoring"].full_name,
+    oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+)
+
+
+def _server_version() -> str:
+    try:
+        return version("riskserve")
+    except PackageNotFoundError:  # running from a source tree
+        return "0+unknown"
+
+
+@dataclass
+class RiskServer:
+    """A started server and the parts a graceful stop must reach."""
+
+    server: grpc.aio.Server
+    port: int
+    registry: ModelRegistry
+    health: health.aio.HealthServicer
+    oip: InferenceServicer
+    executor: ThreadPoolExecutor
+    settings: Settings
+
+    async def stop(self) -> None:
+        """Refuse new work, let queued and in-flight requests finish, then stop."""
+        grace_s = self.settings.shutdown_grace_s
+        self.oip.draining = True
+        await self.health.enter_graceful_shutdown()
+        # The server stops taking calls and waits for those in flight, which need the batchers.
+        await self.server.stop(grace_s)
+        await self.registry.close(grace_s)
+        self.executor.shutdown(wait=True, cancel_futures=False)
+        log.info("stopped")
+
+
+def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    key = settings.tls_key_file.read_bytes()
+    chain = settings.tls_cert_file.read_bytes()
+    client_ca = settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    )
+
+
+async def build_server(settings: Settings) -> RiskServer:
+    """Load the models, wire the servicers and start listening."""
+    engine_threads = settings.engine_threads
+    workers = settings.engine_workers or 2
+    executor = ThreadPoolExecutor(max_workers=max(workers * 2, 2), thread_name_prefix="engine")
+    registry = ModelRegistry(
+        executor,
+        onnxruntime_engines(intra_op_threads=engine_threads, max_concurrency=workers),
+        max_batch_rows=settings.max_batch_size,
+        max_queue_rows=settings.max_queue_rows,
+        workers=settings.engine_workers,
+        max_queue_delay_s=settings.max_queue_delay_us / 1e6,
+        warmup_iterations=settings.warmup_iterations,
+        degrade_on_deadline=settings.degrade_on_deadline,
+    )
+    await registry.load_dir(settings.models_dir)
+
+    options = [
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        ("grpc.max_send_message_length", settings.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+    server = grpc.aio.server(options=options)
+    oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version())
+    pb_grpc.add_RiskScoringServicer_to_server(
+        RiskScoringServicer(registry, settings.default_model, settings.budget_s), server
+    )
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(oip_servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*SERVICE_NAMES, health.SERVICE_NAME]
+    if settings.reflection:
+        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+
+    address = f"{settings.host}:{settings.port}"
+    credentials = _credentials(settings)
+    if credentials is None:
+        port = server.add_insecure_port(address)
+    else:
+        port = server.add_secure_port(address, credentials)
+    await server.start()
+    for name in ["", *SERVICE_NAMES]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("serving %s on %s:%d", registry.names(), settings.host, port)
+    return RiskServer(server, port, registry, health_servicer, oip_servicer, executor, settings)
+
+
+async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    """Run until SIGTERM or SIGINT, then drain gracefully."""
+    running = await build_server(settings)
+    print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("signal received: draining for up to %.1f s", settings.shutdown_grace_s)
+    await running.stop()

@@ -1,0 +1,109 @@
+"""Small ONNX models written with onnx.helper, so tests can serve models other than the demo."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def _save(model: onnx.ModelProto, folder: Path, manifest: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx.checker.check_model(model)
+    onnx.save(model, folder / "model.onnx")
+    (folder / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return folder
+
+
+def write_tabular_model(
+    root: Path, name: str = "credit-lite", version: str = "1", n_features: int = 5, seed: int = 0
+) -> Path:
+    """Logistic regression over `n_features` inputs, no history: score = sigmoid(x.w + b)."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(n_features, 1)).astype(np.float32)
+    b = np.array([0.1], dtype=np.float32)
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["xw"]),
+            helper.make_node("Add", ["xw", "b"], ["logit"]),
+            helper.make_node("Sigmoid", ["logit"], ["score"]),
+        ],
+        name,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", n_features])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    manifest = {
+        "name": name,
+        "version": version,
+        "description": "test logistic regression",
+        "features_input": "x",
+        "features": [f"f{i}" for i in range(n_features)],
+        "output": "score",
+        "nan_policy": "zero",
+        "thresholds": {"review": 0.5, "decline": 0.9},
+        "max_batch_size": 32,
+    }
+    return _save(model, root / name / version, manifest)
+
+
+def write_sequence_model(
+    root: Path,
+    name: str = "seq-mini",
+    version: str = "1",
+    n_features: int = 4,
+    n_fields: int = 3,
+    max_length: int = 16,
+    seed: int = 1,
+) -> Path:
+    """sigmoid(x.w + mean over valid rows of (h.v)): the demo's inputs in miniature."""
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(n_features, 1)).astype(np.float32)
+    v = rng.normal(size=(n_fields, 1)).astype(np.float32)
+    one = np.array([1.0], dtype=np.float32)
+    nodes = [
+        helper.make_node("MatMul", ["features", "w"], ["xw"]),
+        helper.make_node("MatMul", ["history", "v"], ["hv3"]),  # (B, T, 1)
+        helper.make_node("Squeeze", ["hv3", "axis2"], ["hv"]),  # (B, T)
+        helper.make_node("Mul", ["hv", "history_mask"], ["hv_masked"]),
+        helper.make_node("ReduceSum", ["hv_masked", "axis1"], ["hsum"], keepdims=1),
+        helper.make_node("ReduceSum", ["history_mask", "axis1"], ["count"], keepdims=1),
+        helper.make_node("Max", ["count", "one"], ["denominator"]),
+        helper.make_node("Div", ["hsum", "denominator"], ["hmean"]),
+        helper.make_node("Add", ["xw", "hmean"], ["logit"]),
+        helper.make_node("Sigmoid", ["logit"], ["score"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        name,
+        [
+            helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", n_features]),
+            helper.make_tensor_value_info("history", TensorProto.FLOAT, ["batch", "t", n_fields]),
+            helper.make_tensor_value_info("history_mask", TensorProto.FLOAT, ["batch", "t"]),
+        ],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[
+            numpy_helper.from_array(w, "w"),
+            numpy_helper.from_array(v, "v"),
+            numpy_helper.from_array(one, "one"),
+            numpy_helper.from_array(np.array([2], dtype=np.int64), "axis2"),
+            numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    manifest = {
+        "name": name,
+        "version": version,
+        "features": [f"x{i}" for i in range(n_features)],
+        "history": {"fields": [f"h{i}" for i in range(n_fields)], "max_length": max_length},
+        "output": "score",
+        "thresholds": {"review": 0.6, "decline": 0.85},
+        "max_batch_size": 64,
+    }
+    return _save(model, root / name / version, manifest)
