@@ -189,11 +189,14 @@ class MicroBatcher:
                 f"queue holds {self._queued_rows} rows, limit {self.max_queue_rows}; retry later"
             )
         now = time.monotonic()
+        future: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
+        job = _Job(deadline, next(self._seq), batch, now, future)
         if now + self._estimate_wait_s(batch) > deadline:
             self._shed("deadline", batch.rows)
+            if self._degrade:
+                return self._degraded(job, now)
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
-        future: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._heap, _Job(deadline, next(self._seq), batch, now, future))
+        heapq.heappush(self._heap, job)
         self._queued_rows += batch.rows
         self._ready.set()
         return await future

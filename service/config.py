@@ -48,7 +48,9 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
 class Settings(BaseSettings):
     """Every knob of a riskserve process."""
 
-    model_config = SettingsConfigDict(env_prefix="RISKSERVE_", extra="forbid", frozen=True)
+    model_config = SettingsConfigDict(
+        env_prefix="RISKSERVE_", extra="forbid", frozen=True, env_parse_none_str="none"
+    )
 
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")

@@ -14,12 +14,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inference import grpc_service_pb2 as oip
-from inference import grpc_service_pb2_grpc as oip_grpc
 from riskscoring.v1 import risk_scoring_pb2 as pb
-from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.handlers import InferenceServicer, RiskScoringServicer
-from service.registry import ModelRegistry, onnxruntime_engines
+from service.handlers.boundary import generic_handler
+from service.registry import EngineFactory, ModelRegistry, onnxruntime_engines
 
 __all__ = ["RiskServer", "build_server", "serve"]
 
@@ -73,14 +72,20 @@ def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-async def build_server(settings: Settings) -> RiskServer:
-    """Load the models, wire the servicers and start listening."""
-    engine_threads = settings.engine_threads
+async def build_server(
+    settings: Settings, engine_factory: EngineFactory | None = None
+) -> RiskServer:
+    """Load the models, wire the servicers and start listening.
+
+    `engine_factory` builds each model version's engines; the default is ONNX Runtime.
+    """
     workers = settings.engine_workers or 2
     executor = ThreadPoolExecutor(max_workers=max(workers * 2, 2), thread_name_prefix="engine")
+    if engine_factory is None:
+        engine_factory = onnxruntime_engines(settings.engine_threads, max_concurrency=workers)
     registry = ModelRegistry(
         executor,
-        onnxruntime_engines(intra_op_threads=engine_threads, max_concurrency=workers),
+        engine_factory,
         max_batch_rows=settings.max_batch_size,
         max_queue_rows=settings.max_queue_rows,
         workers=settings.engine_workers,
@@ -97,10 +102,13 @@ async def build_server(settings: Settings) -> RiskServer:
     ]
     server = grpc.aio.server(options=options)
     oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version())
-    pb_grpc.add_RiskScoringServicer_to_server(
-        RiskScoringServicer(registry, settings.default_model, settings.budget_s), server
+    risk_servicer = RiskScoringServicer(registry, settings.default_model, settings.budget_s)
+    server.add_generic_rpc_handlers(
+        (
+            generic_handler(risk_servicer, pb.DESCRIPTOR.services_by_name["RiskScoring"]),
+            generic_handler(oip_servicer, oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]),
+        )
     )
-    oip_grpc.add_GRPCInferenceServiceServicer_to_server(oip_servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*SERVICE_NAMES, health.SERVICE_NAME]

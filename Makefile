@@ -1,0 +1,42 @@
+# Two commands set up everything on a fresh clone: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check -q
+HOST ?= 127.0.0.1
+PORT ?= 50051
+
+.PHONY: serve test lint proto clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+# The CPU default; on a GPU host use `pip install -e '.[gpu]'` instead (never both).
+$(VENV)/.serve-installed: pyproject.toml | $(BIN)/python
+	$(PIP) -e '.[cpu]'
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.serve-installed
+	$(PIP) -e '.[cpu,test]'
+	# The stubs declare a dependency on TensorRT itself, which only NVIDIA's index serves.
+	$(PIP) --no-deps 'tensorrt-stubs==10.13.0.35.1'
+	touch $@
+
+serve: $(VENV)/.serve-installed
+	RISKSERVE_HOST=$(HOST) RISKSERVE_PORT=$(PORT) $(BIN)/riskserve serve
+
+test: $(VENV)/.test-installed
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: $(VENV)/.test-installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+proto: $(VENV)/.test-installed
+	PYTHON=$(BIN)/python scripts/gen-proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

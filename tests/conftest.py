@@ -1,0 +1,31 @@
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from liveserver import REPO, LiveServer
+from modelkit import write_sequence_model, write_tabular_model
+
+DEMO = REPO / "models" / "fraud-demo"
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model beside two differently shaped test models."""
+    root = tmp_path_factory.mktemp("models")
+    (root / "fraud-demo").symlink_to(DEMO, target_is_directory=True)
+    write_tabular_model(root)
+    write_sequence_model(root)
+    return root
+
+
+@pytest.fixture(scope="session")
+def live(models_root: Path) -> Iterator[LiveServer]:
+    """One server for the read-only API tests of the session."""
+    with LiveServer(models_dir=models_root, max_batch_size=32) as server:
+        yield server

@@ -1,0 +1,93 @@
+"""The one test seam for batching and fallback logic: an engine with set latency and faults."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from engines.base import DimRange, Engine, EngineFailure, Profile, TensorSpec
+from engines.manifest import Manifest
+
+
+def expected_score(features: np.ndarray) -> np.ndarray:
+    """What FakeEngine returns for each row: a function of that row alone."""
+    return 1.0 / (1.0 + np.exp(-features.sum(axis=1) / 10.0))
+
+
+class FakeEngine(Engine):
+    """Scores rows as `expected_score`, taking `base_s + per_row_s * rows`, failing on demand.
+
+    `max_rows` and `max_history` declare a profile the way a TensorRT engine does, so a batch
+    outside it raises ShapeMismatch before anything runs.
+    """
+
+    kind = "fake"
+
+    def __init__(
+        self,
+        manifest: Manifest,
+        *,
+        name: str = "fake",
+        base_s: float = 0.0,
+        per_row_s: float = 0.0,
+        max_rows: int | None = None,
+        max_history: int | None = None,
+        fail: bool = False,
+        concurrency: int = 1,
+    ) -> None:
+        self.name = name
+        self.precision = "fp32"
+        self.max_concurrency = concurrency
+        self.base_s = base_s
+        self.per_row_s = per_row_s
+        self.fail = fail
+        self.batches: list[int] = []
+        self._lock = threading.Lock()
+        batch = DimRange(1, 1, max_rows)
+        specs = [
+            TensorSpec(
+                manifest.features_input,
+                "float32",
+                (batch, DimRange(manifest.n_features, manifest.n_features, manifest.n_features)),
+            )
+        ]
+        if manifest.history is not None:
+            length = DimRange(1, 1, max_history)
+            width = len(manifest.history.fields)
+            specs += [
+                TensorSpec(
+                    manifest.history.input,
+                    "float32",
+                    (batch, length, DimRange(width, width, width)),
+                ),
+                TensorSpec(manifest.history.mask_input, "float32", (batch, length)),
+            ]
+        self.profiles = (Profile(0, tuple(specs)),)
+        self._features = manifest.features_input
+        self._output = manifest.output
+
+    def _infer(self, inputs: Mapping[str, np.ndarray], profile: Profile) -> dict[str, np.ndarray]:
+        features = inputs[self._features]
+        rows = features.shape[0]
+        with self._lock:
+            self.batches.append(rows)
+        time.sleep(self.base_s + self.per_row_s * rows)
+        if self.fail:
+            raise EngineFailure(f"{self.name}: injected failure")
+        return {self._output: expected_score(features).astype(np.float32).reshape(-1, 1)}
+
+
+def fake_factory(**options) -> tuple:
+    """An engine factory serving every model with one FakeEngine; returns (factory, engines)."""
+    made: dict[str, FakeEngine] = {}
+
+    def build(path: Path, manifest: Manifest):
+        engine = FakeEngine(manifest, **options)
+        made[manifest.name] = engine
+        return [], engine
+
+    return build, made

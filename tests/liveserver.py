@@ -1,0 +1,117 @@
+"""A real riskserve on a loopback port, run on its own event loop thread for sync tests."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from service.config import Settings
+from service.registry import EngineFactory
+from service.server import RiskServer, build_server
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class LiveServer:
+    def __init__(self, engine_factory: EngineFactory | None = None, **settings: Any) -> None:
+        self._engine_factory = engine_factory
+        settings.setdefault("port", 0)
+        settings.setdefault("metrics_port", None)
+        settings.setdefault("trace_file", None)
+        settings.setdefault("warmup_iterations", 1)
+        self.settings = Settings(**settings)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self.server: RiskServer | None = None
+
+    def __enter__(self) -> LiveServer:
+        self._thread.start()
+        future = asyncio.run_coroutine_threadsafe(
+            build_server(self.settings, self._engine_factory), self._loop
+        )
+        self.server = future.result(timeout=120)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def call(self, coro: Any, timeout_s: float = 60) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=timeout_s)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.call(self.server.stop())
+            self.server = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    @property
+    def port(self) -> int:
+        assert self.server is not None
+        return self.server.port
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target)
+
+
+@contextmanager
+def server_process(models_dir: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`riskserve serve` in a child process; yields it and its target once it listens."""
+    environ = {
+        **os.environ,
+        "RISKSERVE_MODELS_DIR": str(models_dir),
+        "RISKSERVE_PORT": "0",
+        "RISKSERVE_METRICS_PORT": "none",
+        "RISKSERVE_TRACE_FILE": "none",
+        "RISKSERVE_WARMUP_ITERATIONS": "1",
+        **env,
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service", "serve"],
+        cwd=REPO,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    target = None
+    started = time.monotonic()
+    assert proc.stdout is not None
+    lines = []
+    while time.monotonic() - started < 120:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("riskserve listening on "):
+            target = line.split()[-1]
+            break
+    if target is None:
+        proc.kill()
+        raise RuntimeError("server did not start:\n" + "".join(lines))
+    drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    drain.start()
+    try:
+        yield proc, target
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -1,0 +1,164 @@
+"""The micro-batcher through a live server, with an engine of known latency."""
+
+from __future__ import annotations
+
+import concurrent.futures
+
+import grpc
+import numpy as np
+import pytest
+from fakes import expected_score, fake_factory
+from liveserver import LiveServer
+from modelkit import write_sequence_model
+
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+
+
+@pytest.fixture(scope="module")
+def seq_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("seq")
+    write_sequence_model(root)
+    return root
+
+
+def request(i: int, rows: int = 2) -> pb.ScoreRequest:
+    return pb.ScoreRequest(
+        request_id=str(i),
+        features={f"x{j}": float((i * 7 + j) % 13) - 6.0 for j in range(4)},
+        history=[pb.HistoryRow(values=[0.1 * i, 1.0, -1.0])] * rows,
+    )
+
+
+def want(i: int) -> float:
+    r = request(i)
+    return float(expected_score(np.array([[r.features[f"x{j}"] for j in range(4)]]))[0])
+
+
+def serve(seq_models, **options):
+    engine_options = {
+        k: options.pop(k)
+        for k in list(options)
+        if k in ("base_s", "per_row_s", "fail", "concurrency")
+    }
+    factory, made = fake_factory(**engine_options)
+    options.setdefault("default_model", "seq-mini")
+    return LiveServer(engine_factory=factory, models_dir=seq_models, **options), made
+
+
+def test_concurrent_clients_each_get_their_own_rows(seq_models):
+    """Many clients at once: batches form, every reply carries its own request's score."""
+    server, made = serve(
+        seq_models,
+        base_s=0.004,
+        per_row_s=0.0001,
+        budget_ms=2000,
+        max_batch_size=16,
+        warmup_iterations=0,
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        ids = list(range(400))
+        with concurrent.futures.ThreadPoolExecutor(32) as pool:
+            replies = list(
+                pool.map(lambda i: stub.Score(request(i, rows=1 + i % 9), timeout=10), ids)
+            )
+        assert sorted(int(r.request_id) for r in replies) == ids  # none lost, none twice
+        for r in replies:
+            assert r.score == pytest.approx(want(int(r.request_id)), abs=1e-6)
+        engine = made["seq-mini"]
+        assert max(engine.batches) > 1, "concurrent load formed no batch"
+        assert max(engine.batches) <= 16
+        assert sum(engine.batches) == len(ids)  # each row ran exactly once
+
+
+def test_idle_engine_adds_no_wait(seq_models):
+    """Light load: a lone request is dispatched at once, in a batch of its own."""
+    server, _ = serve(seq_models, base_s=0.001, warmup_iterations=0)
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        replies = [stub.Score(request(i), timeout=5) for i in range(20)]
+    assert all(r.timings.batch_size == 1 for r in replies)
+    queue_us = sorted(r.timings.queue_us for r in replies)
+    assert queue_us[len(queue_us) // 2] < 2000
+
+
+def test_batching_off_with_max_batch_size_one(seq_models):
+    server, made = serve(
+        seq_models, base_s=0.002, max_batch_size=1, budget_ms=5000, warmup_iterations=0
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            replies = list(pool.map(lambda i: stub.Score(request(i), timeout=10), range(40)))
+    assert {r.timings.batch_size for r in replies} == {1}
+    assert set(made["seq-mini"].batches) == {1}
+
+
+def test_request_that_cannot_make_its_deadline_fails_fast(seq_models):
+    """Engine time 60 ms, deadline 20 ms: refused at once with DEADLINE_EXCEEDED, never run."""
+    server, made = serve(seq_models, base_s=0.06, warmup_iterations=2)
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        runs_before = len(made["seq-mini"].batches)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(request(1), timeout=0.02)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # With the configured budget (10 ms) and no gRPC deadline, the same.
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Score(request(2))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "deadline" in err.value.details()
+        assert len(made["seq-mini"].batches) == runs_before
+        # A caller that allows more time is served.
+        assert stub.Score(request(3), timeout=2).score == pytest.approx(want(3), abs=1e-6)
+
+
+def test_deadline_degrades_to_fallback_decision_when_configured(seq_models):
+    server, _ = serve(seq_models, base_s=0.06, warmup_iterations=2, degrade_on_deadline=True)
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        late = stub.Score(request(1))  # the 10 ms budget cannot cover a 60 ms engine
+        served = stub.Score(request(2), timeout=2)
+    assert late.degraded and late.decision == pb.REVIEW and late.fallback_reason == "deadline"
+    assert not served.degraded and served.score == pytest.approx(want(2), abs=1e-6)
+
+
+def _try(stub, req, timeout):
+    try:
+        return stub.Score(req, timeout=timeout)
+    except grpc.RpcError as exc:
+        return exc
+
+
+def test_full_queue_answers_resource_exhausted(seq_models):
+    server, made = serve(
+        seq_models,
+        base_s=0.05,
+        max_queue_rows=4,
+        max_batch_size=2,
+        budget_ms=10000,
+        warmup_iterations=0,
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(24) as pool:
+            outcomes = list(pool.map(lambda i: _try(stub, request(i), 10), range(24)))
+    exhausted = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+    served = [o for o in outcomes if not isinstance(o, grpc.RpcError)]
+    assert exhausted and served
+    assert {e.code() for e in exhausted} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert all(o.score == pytest.approx(want(int(o.request_id)), abs=1e-6) for o in served)
+    # Everything admitted ran exactly once.
+    assert sum(made["seq-mini"].batches) == len(served)
+
+
+def test_engine_failure_is_internal_and_fans_out(seq_models):
+    server, _ = serve(seq_models, fail=True, warmup_iterations=0, budget_ms=2000)
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(lambda i: _try(stub, request(i), 5), range(16)))
+    assert all(isinstance(o, grpc.RpcError) for o in outcomes)
+    assert {o.code() for o in outcomes} == {grpc.StatusCode.INTERNAL}
+    assert all("injected" not in o.details() for o in outcomes)  # internal text stays inside
