@@ -18,7 +18,7 @@ Command = Callable[[argparse.Namespace], int]
 
 def _serve(args: argparse.Namespace) -> int:
     from service.config import Settings
-    from service.server import serve
+    from service.server import serve, serve_processes
 
     overrides: dict[str, Any] = {
         k: v
@@ -26,6 +26,8 @@ def _serve(args: argparse.Namespace) -> int:
         if v is not None
     }
     settings = Settings(**overrides)
+    if settings.processes > 1:
+        return serve_processes(settings)
     asyncio.run(serve(settings))
     return 0
 

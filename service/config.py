@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     engine_workers: int = Field(
         0, ge=0, description="Batches in flight per model; 0 = the engine's own concurrency."
     )
+    processes: int = Field(
+        1, ge=1, description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port."
+    )
     engine_threads: int = Field(1, ge=1, description="Intra-op threads of each ONNX Runtime run.")
     degrade_on_deadline: bool = Field(
         False, description="Answer late requests with the fallback decision instead of failing."
@@ -110,6 +113,12 @@ class Settings(BaseSettings):
                 "RISKSERVE_TLS_CERT_FILE and RISKSERVE_TLS_KEY_FILE, "
                 "or RISKSERVE_ALLOW_INSECURE=true"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fixed_port_for_processes(self) -> Settings:
+        if self.processes > 1 and self.port == 0:
+            raise ValueError("processes > 1 share one port: set a fixed port, not 0")
         return self
 
     @property

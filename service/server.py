@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
 from service.registry import EngineFactory, ModelRegistry, onnxruntime_engines
 
-__all__ = ["RiskServer", "build_server", "serve"]
+__all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ async def build_server(
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if settings.processes > 1 else 0),
     ]
     server = grpc.aio.server(options=options)
     oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version())
@@ -126,6 +127,43 @@ async def build_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d", registry.names(), settings.host, port)
     return RiskServer(server, port, registry, health_servicer, oip_servicer, executor, settings)
+
+
+def serve_processes(settings: Settings) -> int:
+    """Fork `settings.processes` servers on one port before any gRPC state exists.
+
+    Each child runs its own event loop, batchers and engines; the kernel spreads incoming
+    connections across them. Metrics ports are offset by the child's index.
+    """
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    children = []
+    for index in range(settings.processes):
+        metrics_port = settings.metrics_port
+        if metrics_port:
+            metrics_port += index
+        child_settings = settings.model_copy(update={"metrics_port": metrics_port})
+        child = context.Process(
+            target=_run_child, args=(child_settings,), name=f"riskserve-{index}"
+        )
+        child.start()
+        children.append(child)
+
+    def forward(signum: int, frame: object) -> None:
+        for child in children:
+            if child.pid is not None and child.is_alive():
+                os.kill(child.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for child in children:
+        child.join()
+    return max((child.exitcode or 0) for child in children)
+
+
+def _run_child(settings: Settings) -> None:
+    asyncio.run(serve(settings))
 
 
 async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
