@@ -1,0 +1,82 @@
+"""``riskserve shadow-report``: build an experiment report and write it as JSON and/or HTML."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+
+from engines.manifest import Thresholds, load_manifest
+from service.shadow.errors import ShadowError
+from service.shadow.html import render_html
+from service.shadow.report import DEFAULT_RESAMPLES, DEFAULT_SEED, Report, build_report
+
+__all__ = ["configure_parser", "run_shadow_report", "shadow_report_main"]
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the subcommand's options to `parser` (a subparser of the main CLI or a fresh one)."""
+    parser.add_argument("--prefix", required=True, help="log folder or URI of one experiment")
+    parser.add_argument("--experiment", help="experiment name when the prefix holds several")
+    parser.add_argument("--labels", help="labels file (CSV or Parquet) to measure quality")
+    parser.add_argument("--start", type=_utc, help="ISO 8601 start (inclusive); naive = UTC")
+    parser.add_argument("--end", type=_utc, help="ISO 8601 end (exclusive); naive = UTC")
+    parser.add_argument("--model-dir", type=Path, help="model version folder: its thresholds")
+    parser.add_argument("--review", type=float, help="review threshold (with --decline)")
+    parser.add_argument("--decline", type=float, help="decline threshold (with --review)")
+    parser.add_argument("--bootstrap", type=int, default=DEFAULT_RESAMPLES, help="resamples")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed")
+    parser.add_argument("--json", type=Path, help="write the report as JSON here")
+    parser.add_argument("--html", type=Path, help="write the report as an HTML page here")
+    return parser
+
+
+def run_shadow_report(args: argparse.Namespace) -> int:
+    """Run with parsed options; prints a summary, returns the exit status."""
+    try:
+        report = build_report(
+            args.prefix,
+            start=args.start,
+            end=args.end,
+            labels_path=args.labels,
+            thresholds=_thresholds(args),
+            experiment=args.experiment,
+            bootstrap_resamples=args.bootstrap,
+            seed=args.seed,
+        )
+    except ShadowError as exc:
+        print(f"shadow-report: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        args.json.write_text(report.to_json())
+    if args.html:
+        args.html.write_text(render_html(report))
+    print(_summary(report))
+    return 0
+
+
+def shadow_report_main(argv: Sequence[str] | None = None) -> int:
+    parser = configure_parser(argparse.ArgumentParser(prog="riskserve shadow-report"))
+    return run_shadow_report(parser.parse_args(argv))
+
+
+def _utc(text: str) -> datetime:
+    moment = datetime.fromisoformat(text)
+    return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
+
+
+def _thresholds(args: argparse.Namespace) -> Thresholds | None:
+    if args.model_dir is not None:
+        return load_manifest(args.model_dir).thresholds
+    if args.review is not None and args.decline is not None:
+        return Thresholds(review=args.review, decline=args.decline)
+    return None
+
+
+def _summary(report: Report) -> str:
+    lines = [f"{report.experiment}: {report.records} records, replicas {len(report.replicas)}"]
+    lines += [f"  {a.arm} {a.version}: {a.records} records" for a in report.arms]
+    lines += [f"  vs {c.challenger_version}: {c.verdict}" for c in report.comparisons]
+    return "\n".join(lines)

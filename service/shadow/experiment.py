@@ -1,0 +1,144 @@
+"""Experiment configuration and the router that picks an arm for each request.
+
+Routing is a pure function of (salt, model, entity_id) through BLAKE2b, so every replica and
+every restart sends the same entity to the same arm. Python's ``hash()`` is salted per process
+and must never be used here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from service.shadow.errors import ExperimentConfigError
+
+__all__ = [
+    "ExperimentConfig",
+    "ExperimentRouter",
+    "ModelExperiment",
+    "Route",
+    "stable_unit_interval",
+]
+
+Arm = Literal["champion", "challenger"]
+Mode = Literal["shadow", "ab"]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelExperiment(_Frozen):
+    """One model's experiment: which version serves, which are tried, and how."""
+
+    champion: str = Field(description="Version served by default and the baseline of every report.")
+    challengers: tuple[str, ...] = Field(
+        default=(), description="Versions under evaluation; empty means no experiment runs."
+    )
+    mode: Mode = Field(
+        "shadow",
+        description="shadow: challengers score a copy off the hot path; ab: they serve a share.",
+    )
+    shadow_share: float = Field(
+        1.0, ge=0.0, le=1.0, description="Share of entities whose requests get a shadow copy."
+    )
+    ab_share: float = Field(
+        0.0, ge=0.0, le=1.0, description="Share of entities served by a challenger (ab mode)."
+    )
+    log_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Sub-folder under the log prefix for this experiment; the model name if unset.",
+    )
+    salt: str = Field("", description="Mixed into the hash; change it to reshuffle the buckets.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> ModelExperiment:
+        if self.champion in self.challengers:
+            raise ValueError("the champion version cannot also be a challenger")
+        if len(set(self.challengers)) != len(self.challengers):
+            raise ValueError("challenger versions must be distinct")
+        return self
+
+
+class ExperimentConfig(_Frozen):
+    """Every running experiment, keyed by model name."""
+
+    models: dict[str, ModelExperiment] = Field(default_factory=dict)
+
+    @classmethod
+    def from_json_file(cls, path: Path) -> ExperimentConfig:
+        """Read a config written as JSON (``{"models": {"fraud-demo": {...}}}``)."""
+        try:
+            return cls.model_validate(json.loads(path.read_text()))
+        except (OSError, ValueError, ValidationError) as exc:
+            raise ExperimentConfigError(f"cannot read experiment config {path.name}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request goes: the version that answers it and the versions scored aside."""
+
+    serving_version: str | None
+    shadow_versions: tuple[str, ...] = ()
+    arm: Arm = "champion"
+    mode: Mode = "shadow"
+    experiment: str | None = None
+    """Log name of the experiment; None when the model has none and nothing is logged."""
+
+    @property
+    def logged(self) -> bool:
+        return self.experiment is not None
+
+
+_NO_EXPERIMENT = Route(serving_version=None)
+
+
+def stable_unit_interval(*parts: str) -> float:
+    """Map strings to a float in [0, 1) that is identical in every process and on every host."""
+    digest = hashlib.blake2b("\x1f".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64
+
+
+class ExperimentRouter:
+    """Holds the current config; `update` swaps it atomically while requests are being routed."""
+
+    def __init__(self, config: ExperimentConfig | None = None) -> None:
+        self._config = config or ExperimentConfig()
+        self._update_lock = threading.Lock()
+
+    @property
+    def config(self) -> ExperimentConfig:
+        return self._config
+
+    def update(self, config: ExperimentConfig) -> None:
+        # One reference assignment: a concurrent route() sees the old or the new config whole.
+        with self._update_lock:
+            self._config = config
+
+    def route(self, model: str, entity_id: str) -> Route:
+        experiment = self._config.models.get(model)
+        if experiment is None or not experiment.challengers:
+            return _NO_EXPERIMENT if experiment is None else Route(experiment.champion)
+        log_name = experiment.log_name or model
+        if experiment.mode == "ab":
+            return _route_ab(experiment, model, entity_id, log_name)
+        bucket = stable_unit_interval("shadow", experiment.salt, model, entity_id)
+        shadows = experiment.challengers if bucket < experiment.shadow_share else ()
+        return Route(experiment.champion, shadows, "champion", "shadow", log_name)
+
+
+def _route_ab(experiment: ModelExperiment, model: str, entity_id: str, log_name: str) -> Route:
+    bucket = stable_unit_interval("ab", experiment.salt, model, entity_id)
+    if bucket >= experiment.ab_share:
+        return Route(experiment.champion, (), "champion", "ab", log_name)
+    # The challenger share is split evenly among the challengers, in their listed order.
+    index = int(bucket / experiment.ab_share * len(experiment.challengers))
+    version = experiment.challengers[min(index, len(experiment.challengers) - 1)]
+    return Route(version, (), "challenger", "ab", log_name)

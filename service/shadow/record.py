@@ -1,0 +1,76 @@
+"""One scored request of an experiment, and its columnar schema."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import pyarrow as pa
+
+__all__ = ["RECORD_SCHEMA", "ExperimentRecord", "records_to_table"]
+
+RECORD_SCHEMA = pa.schema(
+    [
+        pa.field("request_id", pa.string(), nullable=False),
+        pa.field("entity_id", pa.string(), nullable=False),
+        pa.field("time", pa.timestamp("ns", tz="UTC"), nullable=False),
+        pa.field("experiment", pa.string(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("arm", pa.string(), nullable=False),
+        pa.field("version", pa.string(), nullable=False),
+        pa.field("score", pa.float64(), nullable=False),
+        pa.field("decision", pa.string(), nullable=False),
+        pa.field("engine", pa.string(), nullable=False),
+        pa.field("latency_ms", pa.float64(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),
+        pa.field("served", pa.bool_(), nullable=False),
+        pa.field("replica_id", pa.string(), nullable=False),
+    ]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExperimentRecord:
+    """What one arm answered for one request; `served` says whether the caller got this answer."""
+
+    request_id: str
+    entity_id: str
+    experiment: str
+    model: str
+    arm: Literal["champion", "challenger"]
+    version: str
+    score: float
+    decision: str
+    engine: str
+    latency_ms: float
+    mode: Literal["shadow", "ab"]
+    served: bool
+    time_ns: int = 0
+    """UTC wall-clock time in ns since the epoch; 0 means "now" when the record is logged."""
+
+    def stamped(self) -> ExperimentRecord:
+        if self.time_ns:
+            return self
+        return replace(self, time_ns=time.time_ns())
+
+
+def records_to_table(records: list[ExperimentRecord], replica_id: str) -> pa.Table:
+    """Build one table in `RECORD_SCHEMA` from records (column by column, no per-row dicts)."""
+    columns = {
+        "request_id": [r.request_id for r in records],
+        "entity_id": [r.entity_id for r in records],
+        "time": [r.time_ns for r in records],
+        "experiment": [r.experiment for r in records],
+        "model": [r.model for r in records],
+        "arm": [r.arm for r in records],
+        "version": [r.version for r in records],
+        "score": [float(r.score) for r in records],
+        "decision": [r.decision for r in records],
+        "engine": [r.engine for r in records],
+        "latency_ms": [float(r.latency_ms) for r in records],
+        "mode": [r.mode for r in records],
+        "served": [r.served for r in records],
+        "replica_id": [replica_id] * len(records),
+    }
+    return pa.Table.from_pydict(columns, schema=RECORD_SCHEMA)

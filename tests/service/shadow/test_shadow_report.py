@@ -1,0 +1,172 @@
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pytest
+from scipy import stats
+from shadow_traffic import THRESHOLDS, Traffic, log_shadow_traffic, make_traffic, record
+from sklearn.metrics import confusion_matrix, precision_score, recall_score, roc_auc_score
+
+from service.shadow import (
+    AmbiguousExperiment,
+    ExperimentLog,
+    NoRecords,
+    build_report,
+    render_html,
+    shadow_report_main,
+)
+
+N = 1500
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Traffic]:
+    root = tmp_path_factory.mktemp("shadow")
+    traffic = make_traffic(N)
+    logs = [ExperimentLog(str(root / "logs"), replica_id=r, flush_interval_s=60) for r in "ab"]
+    log_shadow_traffic(traffic, logs)
+    labels = root / "labels.csv"
+    pacsv.write_csv(pa.table({"request_id": traffic.request_ids, "label": traffic.labels}), labels)
+    return root / "logs", labels, traffic
+
+
+def decisions(scores: np.ndarray) -> list[str]:
+    return [THRESHOLDS.decide(float(s)) for s in scores]
+
+
+def test_figures_match_scipy_and_sklearn(experiment: tuple[Path, Path, Traffic]) -> None:
+    prefix, labels, t = experiment
+    report = build_report(str(prefix), labels_path=str(labels), thresholds=THRESHOLDS,
+                          bootstrap_resamples=200)  # fmt: skip
+    assert report.records == 2 * N and report.replicas == ("a", "b")
+    champion, challenger = report.arms
+    assert (champion.arm, champion.version, champion.records, champion.served) == (
+        "champion", "1", N, N)  # fmt: skip
+    assert (challenger.arm, challenger.version, challenger.records, challenger.served) == (
+        "challenger", "2", N, 0)  # fmt: skip
+    (c,) = report.comparisons
+    assert c.pairs == N
+    assert c.pearson == pytest.approx(stats.pearsonr(t.champion, t.challenger).statistic, abs=1e-12)
+    assert c.spearman == pytest.approx(stats.spearmanr(t.champion, t.challenger).statistic,
+                                       abs=1e-12)  # fmt: skip
+    ks = stats.ks_2samp(t.champion, t.challenger, method="asymp")
+    assert (c.ks_statistic, c.ks_pvalue) == pytest.approx((ks.statistic, ks.pvalue))
+    diff = np.abs(t.champion - t.challenger)
+    assert (c.mean_abs_diff, c.max_abs_diff) == pytest.approx((diff.mean(), diff.max()))
+    order = ["APPROVE", "REVIEW", "DECLINE"]
+    expected = confusion_matrix(decisions(t.champion), decisions(t.challenger), labels=order)
+    assert [[c.confusion[a][b] for b in order] for a in order] == expected.tolist()
+    assert c.decision_agreement == pytest.approx(np.trace(expected) / N)
+    for arm, scores in ((champion, t.champion), (challenger, t.challenger)):
+        assert arm.labels is not None
+        assert arm.labels.auc.estimate == pytest.approx(roc_auc_score(t.labels, scores))
+        assert arm.labels.auc.low < arm.labels.auc.estimate < arm.labels.auc.high
+        flagged_review, flagged_decline = scores >= THRESHOLDS.review, scores >= THRESHOLDS.decline
+        assert arm.labels.precision_at_review.estimate == pytest.approx(
+            precision_score(t.labels, flagged_review)
+        )
+        assert arm.labels.recall_at_review.estimate == pytest.approx(
+            recall_score(t.labels, flagged_review)
+        )
+        assert arm.labels.precision_at_decline.estimate == pytest.approx(
+            precision_score(t.labels, flagged_decline)
+        )
+        assert arm.labels.recall_at_decline.estimate == pytest.approx(
+            recall_score(t.labels, flagged_decline))  # fmt: skip
+        latency = t.champion_latency_ms if arm.arm == "champion" else t.challenger_latency_ms
+        assert arm.latency_ms_p99 == pytest.approx(np.percentile(latency, 99))
+    assert c.auc_difference is not None and c.auc_difference_method == "paired"
+    assert c.auc_difference.estimate == pytest.approx(
+        roc_auc_score(t.labels, t.challenger) - roc_auc_score(t.labels, t.champion)
+    )
+    # The challenger was generated with less noise: its AUC is clearly higher.
+    assert c.verdict == "challenger better at 95%"
+    assert c.psi > 0
+
+
+def test_psi_binning_is_champion_deciles() -> None:
+    from service.shadow.stats import psi
+
+    rng = np.random.default_rng(3)
+    expected, actual = rng.random(10_000), rng.random(10_000) ** 2
+    edges = np.quantile(expected, np.linspace(0, 1, 11)[1:-1])
+    e = np.histogram(expected, np.r_[-np.inf, edges, np.inf])[0] / 10_000
+    a = np.histogram(actual, np.r_[-np.inf, edges, np.inf])[0] / 10_000
+    assert psi(expected, actual) == pytest.approx(np.sum((a - e) * np.log(a / e)), rel=1e-6)
+    assert psi(expected, expected) == 0
+
+
+def test_same_scores_give_no_significant_difference(tmp_path: Path) -> None:
+    t = make_traffic(600, seed=11)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x")
+    for i in range(600):
+        champion = record(t, i, "champion")
+        log.log(champion)
+        log.log(replace(record(t, i, "challenger"), score=champion.score + 1e-9,
+                        decision=champion.decision))  # fmt: skip
+    log.close()
+    labels = tmp_path / "labels.csv"
+    entity_labels = {e: int(y) for e, y in zip(t.entity_ids, t.labels, strict=True)}
+    by_entity = pa.table({"entity_id": list(entity_labels), "label": list(entity_labels.values())})
+    pacsv.write_csv(by_entity, labels)
+    report = build_report(str(tmp_path / "logs"), labels_path=str(labels), bootstrap_resamples=200)
+    (c,) = report.comparisons
+    assert c.verdict == "no significant difference at 95%"
+    assert c.decision_agreement > 0.99 and c.pearson == pytest.approx(1.0)
+    assert report.thresholds is None  # logged decisions were used
+
+
+def test_time_window_and_errors(tmp_path: Path) -> None:
+    t = make_traffic(20)
+    base = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp() * 1e9)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x")
+    for i in range(20):
+        log.log(record(t, i, "champion", time_ns=base + i * 60 * 10**9))  # one a minute
+    log.close()
+    start, end = datetime(2026, 1, 1, 0, 5, tzinfo=UTC), datetime(2026, 1, 1, 0, 10, tzinfo=UTC)
+    report = build_report(str(tmp_path / "logs"), start=start, end=end)
+    assert report.records == 5 and report.comparisons == ()
+    with pytest.raises(NoRecords):
+        build_report(str(tmp_path / "logs"), start=datetime(2027, 1, 1, tzinfo=UTC))
+    with pytest.raises(NoRecords):
+        build_report(str(tmp_path / "missing"))
+    other = ExperimentLog(str(tmp_path / "logs"), replica_id="y")
+    other.log(replace(record(t, 0, "champion"), experiment="other"))
+    other.close()
+    with pytest.raises(AmbiguousExperiment):
+        build_report(str(tmp_path / "logs"))
+    assert build_report(str(tmp_path / "logs"), experiment="other").records == 1
+
+
+def test_json_html_and_cli(experiment: tuple[Path, Path, Traffic], tmp_path: Path) -> None:
+    prefix, labels, _ = experiment
+    out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
+    status = shadow_report_main([
+        "--prefix", str(prefix), "--labels", str(labels), "--review", "0.5", "--decline", "0.8",
+        "--bootstrap", "100", "--json", str(out_json), "--html", str(out_html),
+        "--start", "2000-01-01T00:00:00"])  # fmt: skip
+    assert status == 0
+    data = json.loads(out_json.read_text())
+    assert data["records"] == 2 * N and data["thresholds"] == {"review": 0.5, "decline": 0.8}
+    assert data["comparisons"][0]["verdict"] == "challenger better at 95%"
+    page = out_html.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "challenger better at 95%" in page
+    images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(images) == 3  # scores, latency, ROC
+    assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
+    assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
+    assert shadow_report_main(["--prefix", str(tmp_path / "none")]) == 2
+
+
+def test_render_html_without_labels(experiment: tuple[Path, Path, Traffic]) -> None:
+    report = build_report(str(experiment[0]), bootstrap_resamples=10)
+    page = render_html(report)
+    assert page.count("data:image/png;base64,") == 2 and "no labels" in page
