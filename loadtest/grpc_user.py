@@ -1,0 +1,257 @@
+"""A locust User for riskserve's gRPC APIs: the domain API and the Open Inference Protocol.
+
+Every call goes through `GrpcClient.call`, which times it and fires locust's ``request`` event
+(request_type ``grpc``). A call can name the status code it expects: a request built to be
+invalid that comes back INVALID_ARGUMENT is a success, and one that comes back OK is a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import grpc.experimental.gevent as grpc_gevent
+from locust import User, events
+from locust.exception import StopUser
+
+from inference import grpc_service_pb2, grpc_service_pb2_grpc
+from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
+
+# locust has patched the standard library by now; gRPC's C core must cooperate with gevent
+# before the first channel exists, or every call blocks the whole worker.
+grpc_gevent.init_gevent()
+
+__all__ = ["DEFAULT_HOST", "GrpcClient", "GrpcUser", "ModelSchema", "OipInput", "RpcStatusError"]
+
+DEFAULT_HOST = "127.0.0.1:50051"
+_SCHEMA_TIMEOUT_S = 10.0
+_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+logger = logging.getLogger(__name__)
+
+
+@events.init_command_line_parser.add_listener
+def _add_arguments(parser: Any) -> None:
+    group = parser.add_argument_group("riskserve gRPC")
+    group.add_argument(
+        "--rps-per-user",
+        type=float,
+        default=10.0,
+        env_var="LOCUST_RPS_PER_USER",
+        help="Task runs per second per user (constant throughput); total rate = users x this.",
+    )
+    group.add_argument(
+        "--deadline-ms",
+        type=float,
+        default=0.0,
+        env_var="LOCUST_DEADLINE_MS",
+        help="gRPC deadline per call in ms; 0 sends none, so the server's budget applies.",
+    )
+    group.add_argument(
+        "--model",
+        default="",
+        env_var="LOCUST_MODEL",
+        help="Model to score; empty selects the server's default model.",
+    )
+    group.add_argument(
+        "--tls-ca",
+        default="",
+        env_var="LOCUST_TLS_CA",
+        help="PEM file of root certificates: connect with TLS (a grpcs:// host uses system roots).",
+    )
+
+
+class RpcStatusError(Exception):
+    """A call ended with a status code other than the one the task expected."""
+
+
+@dataclass(frozen=True)
+class OipInput:
+    """One input tensor of the model as the OIP ModelMetadata call describes it."""
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelSchema:
+    """What a client must know to build valid requests, read from the server at start."""
+
+    model: str
+    model_version: str
+    feature_names: tuple[str, ...]
+    history_fields: tuple[str, ...]
+    max_history_length: int
+    max_batch_size: int
+    nan_policy: str
+    oip_inputs: tuple[OipInput, ...]
+
+    @classmethod
+    def fetch(cls, channel: grpc.Channel, model: str) -> ModelSchema:
+        scoring = risk_scoring_pb2_grpc.RiskScoringStub(channel)
+        info = scoring.GetModelInfo(
+            risk_scoring_pb2.ModelInfoRequest(model=model), timeout=_SCHEMA_TIMEOUT_S
+        )
+        oip = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        meta = oip.ModelMetadata(
+            grpc_service_pb2.ModelMetadataRequest(name=info.model), timeout=_SCHEMA_TIMEOUT_S
+        )
+        return cls(
+            model=info.model,
+            model_version=info.model_version,
+            feature_names=tuple(info.feature_names),
+            history_fields=tuple(info.history_fields),
+            max_history_length=info.max_history_length,
+            max_batch_size=info.max_batch_size,
+            nan_policy=info.nan_policy,
+            oip_inputs=tuple(
+                OipInput(name=t.name, datatype=t.datatype, shape=tuple(t.shape))
+                for t in meta.inputs
+            ),
+        )
+
+
+_schema_lock = threading.Lock()  # a gevent lock once locust has patched threading
+_schemas: dict[tuple[str, str], ModelSchema] = {}
+
+# What served the requests, reported when the run ends: shows whether the fallback path ran.
+served_by: Counter[str] = Counter()
+
+
+@events.test_stop.add_listener
+def _report_engines(**_kwargs: Any) -> None:
+    if served_by:
+        logger.info("responses by engine/fallback reason: %s", dict(served_by.most_common()))
+
+
+def parse_target(host: str) -> tuple[str, bool]:
+    """Split a locust --host into a gRPC target and whether it asks for TLS."""
+    for scheme, tls in (("grpcs://", True), ("grpc://", False), ("dns:///", False)):
+        if host.startswith(scheme):
+            rest = host[len(scheme) :]
+            return (f"dns:///{rest}" if scheme == "dns:///" else rest), tls
+    return host, False
+
+
+class GrpcClient:
+    """Times unary calls and reports each to locust as one request."""
+
+    def __init__(self, environment: Any, channel: grpc.Channel, deadline_s: float | None) -> None:
+        self._events = environment.events
+        self._deadline_s = deadline_s
+        self.scoring = risk_scoring_pb2_grpc.RiskScoringStub(channel)
+        self.inference = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
+
+    def call(
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        *,
+        name: str,
+        expect: grpc.StatusCode = grpc.StatusCode.OK,
+        check: Callable[[Any], str | None] | None = None,
+    ) -> Any:
+        """Call one stub method; a wrong status code or a failed `check` is a failure."""
+        response = None
+        code = grpc.StatusCode.OK
+        details = ""
+        start_s = time.perf_counter()
+        try:
+            response = method(request, timeout=self._deadline_s)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+        elapsed_ms = (time.perf_counter() - start_s) * 1000.0
+
+        failure: Exception | None = None
+        if code != expect:
+            # Short, stable text: locust groups failures by their message.
+            failure = RpcStatusError(f"expected {expect.name}, got {code.name}: {details[:160]}")
+        elif response is not None and check is not None:
+            problem = check(response)
+            if problem:
+                failure = RpcStatusError(f"bad response: {problem}")
+        self._events.request.fire(
+            request_type="grpc",
+            name=name,
+            response_time=elapsed_ms,
+            response_length=response.ByteSize() if response is not None else 0,
+            response=response,
+            context={"code": code.name},
+            exception=failure,
+        )
+        return response
+
+
+class GrpcUser(User):
+    """Base user: one channel (one HTTP/2 connection) per simulated client."""
+
+    abstract = True
+    host = DEFAULT_HOST
+
+    def __init__(self, environment: Any) -> None:
+        super().__init__(environment)
+        options = environment.parsed_options
+        self.rps_per_user = float(getattr(options, "rps_per_user", 10.0))
+        deadline_ms = float(getattr(options, "deadline_ms", 0.0))
+        self.model_name = str(getattr(options, "model", ""))
+        target, tls = parse_target(self.host or DEFAULT_HOST)
+        self.channel = self._open_channel(target, tls, str(getattr(options, "tls_ca", "")))
+        self.client = GrpcClient(environment, self.channel, deadline_ms / 1000.0 or None)
+        self._last_run_s = 0.0
+        self._last_wait_s = 0.0
+
+    @staticmethod
+    def _open_channel(target: str, tls: bool, ca_path: str) -> grpc.Channel:
+        options = [
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.lb_policy_name", "round_robin"),
+        ]
+        if tls or ca_path:
+            roots = None
+            if ca_path:
+                with open(ca_path, "rb") as handle:
+                    roots = handle.read()
+            creds = grpc.ssl_channel_credentials(root_certificates=roots)
+            return grpc.secure_channel(target, creds, options=options)
+        return grpc.insecure_channel(target, options=options)
+
+    def wait_time(self) -> float:
+        """Constant throughput: what locust's constant_throughput does, with the rate from
+        --rps-per-user."""
+        now_s = time.perf_counter()
+        run_s = now_s - self._last_run_s - self._last_wait_s
+        self._last_wait_s = max(0.0, 1.0 / self.rps_per_user - run_s)
+        self._last_run_s = now_s
+        return self._last_wait_s
+
+    def schema(self) -> ModelSchema:
+        """The model's schema, fetched once per process and shared by all users."""
+        key = (self.host or DEFAULT_HOST, self.model_name)
+        with _schema_lock:
+            if key not in _schemas:
+                try:
+                    _schemas[key] = ModelSchema.fetch(self.channel, self.model_name)
+                except grpc.RpcError as exc:
+                    # Counted as a failed request, so the run cannot pass without a schema.
+                    self.environment.events.request.fire(
+                        request_type="grpc",
+                        name="GetModelInfo",
+                        response_time=0.0,
+                        response_length=0,
+                        response=None,
+                        context={"code": exc.code().name},
+                        exception=RpcStatusError(f"schema: {exc.code().name}"),
+                    )
+                    raise StopUser() from exc
+            return _schemas[key]
+
+    def on_stop(self) -> None:
+        self.channel.close()

@@ -1,0 +1,58 @@
+# Load and soak tests (included from the main Makefile).
+#
+#   make loadtest                                  # local server, 20 users x 10 rps, 60 s
+#   make loadtest LOADTEST_USERS=50 LOADTEST_RPS_PER_USER=20 LOADTEST_TIME=120s
+#   make loadtest LOADTEST_HOST=riskserve.example.internal:50051 LOADTEST_SERVER=
+#   make soak SOAK_MINUTES=30
+#
+# The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second. With
+# LOADTEST_SERVER empty no server is started and LOADTEST_HOST must already be serving.
+# Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples).
+
+LOADTEST_PYTHON ?= .venv/bin/python
+LOADTEST_LOCUST ?= .venv/bin/locust
+LOADTEST_PORT ?= 50051
+LOADTEST_HOST ?= 127.0.0.1:$(LOADTEST_PORT)
+LOADTEST_SERVER ?= .venv/bin/riskserve serve --port $(LOADTEST_PORT)
+LOADTEST_USERS ?= 20
+LOADTEST_SPAWN_RATE ?= $(LOADTEST_USERS)
+LOADTEST_RPS_PER_USER ?= 10
+LOADTEST_TIME ?= 60s
+LOADTEST_DEADLINE_MS ?= 0
+LOADTEST_REPORTS ?= loadtest/reports
+LOADTEST_NAME ?= run
+
+SOAK_MINUTES ?= 10
+SOAK_USERS ?= 10
+SOAK_RPS_PER_USER ?= 10
+SOAK_INTERVAL_S ?= 5
+SOAK_WARMUP_S ?= 60
+SOAK_MAX_RSS_GROWTH_MIB ?= 64
+SOAK_MAX_FD_GROWTH ?= 16
+
+LOADTEST_LOCUST_ARGS = -f loadtest/locustfile.py --headless --host $(LOADTEST_HOST) \
+	--deadline-ms $(LOADTEST_DEADLINE_MS) --exit-code-on-error 1 --only-summary
+
+.PHONY: loadtest soak
+
+loadtest:
+	@mkdir -p $(LOADTEST_REPORTS)
+	$(LOADTEST_PYTHON) loadtest/harness.py run --target $(LOADTEST_HOST) \
+		--server "$(LOADTEST_SERVER)" --server-log $(LOADTEST_REPORTS)/server.log -- \
+		$(LOADTEST_LOCUST) $(LOADTEST_LOCUST_ARGS) \
+		-u $(LOADTEST_USERS) -r $(LOADTEST_SPAWN_RATE) --rps-per-user $(LOADTEST_RPS_PER_USER) \
+		--run-time $(LOADTEST_TIME) \
+		--csv $(LOADTEST_REPORTS)/$(LOADTEST_NAME) --html $(LOADTEST_REPORTS)/$(LOADTEST_NAME).html
+
+soak:
+	@mkdir -p $(LOADTEST_REPORTS)
+	@test -n "$(LOADTEST_SERVER)" || { echo "soak watches a local server: set LOADTEST_SERVER"; exit 2; }
+	$(LOADTEST_PYTHON) loadtest/harness.py run --target $(LOADTEST_HOST) \
+		--server "$(LOADTEST_SERVER)" --server-log $(LOADTEST_REPORTS)/soak-server.log \
+		--soak-csv $(LOADTEST_REPORTS)/soak-resources.csv --interval-s $(SOAK_INTERVAL_S) \
+		--warmup-s $(SOAK_WARMUP_S) --max-rss-growth-mib $(SOAK_MAX_RSS_GROWTH_MIB) \
+		--max-fd-growth $(SOAK_MAX_FD_GROWTH) -- \
+		$(LOADTEST_LOCUST) $(LOADTEST_LOCUST_ARGS) \
+		-u $(SOAK_USERS) -r $(SOAK_USERS) --rps-per-user $(SOAK_RPS_PER_USER) \
+		--run-time $(SOAK_MINUTES)m \
+		--csv $(LOADTEST_REPORTS)/soak --html $(LOADTEST_REPORTS)/soak.html

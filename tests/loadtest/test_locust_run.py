@@ -1,0 +1,141 @@
+"""Short, real headless locust runs of loadtest/locustfile.py against live gRPC servers.
+
+One run targets riskserve itself (skipped until its CLI exists); the others target the
+stand-in in fake_server.py, so the load test's own accounting is checked on any machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+LOCUSTFILE = REPO / "loadtest" / "locustfile.py"
+FAKE_SERVER = Path(__file__).with_name("fake_server.py")
+LOCUST = Path(sys.executable).with_name("locust")
+TASK_NAMES = {"Score", "ScoreBatch", "Score (long history)", "ModelInfer", "Score (invalid)"}
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serving(target: str, timeout_s: float, server: subprocess.Popen[bytes]) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline_s and server.poll() is None:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                time.sleep(0.2)
+    return False
+
+
+@contextmanager
+def _server(
+    command: list[str], port: int, log: Path, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    target = f"127.0.0.1:{port}"
+    with log.open("wb") as sink:
+        server = subprocess.Popen(command, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        if not _serving(target, 120.0, server):
+            pytest.fail(f"server on {target} never became SERVING:\n{log.read_text()[-3000:]}")
+        yield target
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _locust(target: str, prefix: Path, run_time_s: int) -> tuple[int, dict[str, dict[str, str]]]:
+    """Run locust headless; its exit status and run_stats.csv rows by request name."""
+    command = [
+        str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "-u", "10", "-r", "10",
+        "--rps-per-user", "15", "--run-time", f"{run_time_s}s", "--host", target,
+        "--csv", str(prefix), "--exit-code-on-error", "1", "--only-summary",
+        "--stop-timeout", "5",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=run_time_s + 60
+    )
+    stats_path = prefix.with_name(prefix.name + "_stats.csv")
+    assert stats_path.exists(), done.stdout + done.stderr
+    with stats_path.open(newline="") as handle:
+        rows = {row["Name"]: row for row in csv.DictReader(handle)}
+    return done.returncode, rows
+
+
+def _assert_clean_mix(status: int, rows: dict[str, dict[str, str]]) -> None:
+    assert rows.keys() >= TASK_NAMES, f"missing request types: {TASK_NAMES - rows.keys()}"
+    for name in TASK_NAMES:
+        assert int(rows[name]["Request Count"]) > 0, name
+        assert int(rows[name]["Failure Count"]) == 0, (name, rows[name])
+    assert int(rows["Aggregated"]["Failure Count"]) == 0
+    # INVALID_ARGUMENT answers to deliberately invalid requests counted as successes, at ~2%.
+    share = int(rows["Score (invalid)"]["Request Count"]) / int(rows["Aggregated"]["Request Count"])
+    assert 0.003 < share < 0.08, share
+    assert status == 0
+
+
+def test_locust_mix_against_stand_in_server(tmp_path: Path) -> None:
+    port = _free_port()
+    command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
+    with _server(command, port, tmp_path / "server.log") as target:
+        status, rows = _locust(target, tmp_path / "run", run_time_s=6)
+    _assert_clean_mix(status, rows)
+
+
+def test_invalid_requests_answered_ok_are_failures(tmp_path: Path) -> None:
+    port = _free_port()
+    command = [sys.executable, str(FAKE_SERVER), "--port", str(port), "--lenient"]
+    with _server(command, port, tmp_path / "server.log") as target:
+        status, rows = _locust(target, tmp_path / "run", run_time_s=5)
+    invalid = rows["Score (invalid)"]
+    assert int(invalid["Request Count"]) > 0
+    assert int(invalid["Failure Count"]) == int(invalid["Request Count"])
+    assert int(rows["Score"]["Failure Count"]) == 0
+    assert status == 1
+
+
+def test_locust_mix_against_riskserve(tmp_path: Path) -> None:
+    if importlib.util.find_spec("service.cli") is None:
+        pytest.skip("service.cli (the `riskserve serve` command) does not exist yet")
+    models_dir = Path(os.environ.get("RISKSERVE_MODELS_DIR", REPO / "models"))
+    if not any(models_dir.glob("*/*/manifest.json")):
+        pytest.skip(f"no model under {models_dir} (python -m demo.train writes the demo model)")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "RISKSERVE_PORT": str(port),
+        "RISKSERVE_METRICS_PORT": str(_free_port()),
+    }
+    command = [
+        sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
+        "serve", "--port", str(port),
+    ]  # fmt: skip
+    with _server(command, port, tmp_path / "server.log", env=env) as target:
+        status, rows = _locust(target, tmp_path / "run", run_time_s=10)
+    _assert_clean_mix(status, rows)
