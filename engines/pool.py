@@ -1,0 +1,334 @@
+"""`EnginePool`: run a batch on the first engine whose profile fits, else on the fallback.
+
+A batch whose rows do not all fit is split by row: rows whose own history length (from the
+mask) fits the engine's profile run there, trimmed to their longest row; the rest run on the
+fallback (ONNX Runtime); outputs are put back in the original row order. An engine that fails
+`max_consecutive_errors` times in a row is taken out of the pool.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.base import Engine, EngineFailure, Profile, ShapeMismatch
+from engines.manifest import Manifest
+
+__all__ = ["CalibrationReport", "EngineHealth", "EnginePool", "PoolResult"]
+
+Arrays = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolResult:
+    """Outputs in input row order, which engine ran the batch, and why any rows fell back.
+
+    `row_engines` names the engine of each row; it differs from `engine_name` only for rows
+    split off to the fallback.
+    """
+
+    outputs: dict[str, np.ndarray]
+    engine_name: str
+    fallback_reason: str
+    row_engines: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineHealth:
+    name: str
+    healthy: bool
+    consecutive_errors: int
+    total_errors: int
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationReport:
+    """Median seconds per batch for each engine and batch size it accepts."""
+
+    seconds: dict[str, dict[int, float]]
+    order: tuple[str, ...]
+
+
+def _rows(inputs: Arrays) -> int:
+    return len(next(iter(inputs.values())))
+
+
+def _shapes(inputs: Arrays) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(int(d) for d in a.shape) for name, a in inputs.items()}
+
+
+def _take(inputs: Arrays, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
+    return {name: a[rows] for name, a in inputs.items()}
+
+
+class EnginePool:
+    """Engines in preference order plus one fallback that accepts any shape."""
+
+    def __init__(
+        self,
+        engines: Sequence[Engine],
+        fallback: Engine,
+        *,
+        history_input: str | None = "history",
+        mask_input: str | None = "history_mask",
+        min_history_length: int = 1,
+        max_consecutive_errors: int = 3,
+        accepted_precisions: Collection[str] | None = None,
+    ) -> None:
+        self._engines = [
+            e for e in engines if accepted_precisions is None or e.precision in accepted_precisions
+        ]
+        self.fallback = fallback
+        self.history_input = history_input
+        self.mask_input = mask_input
+        self.min_history_length = min_history_length
+        self.max_consecutive_errors = max_consecutive_errors
+        self._lock = threading.Lock()
+        self._consecutive = {e.name: 0 for e in self._engines}
+        self._total = {e.name: 0 for e in self._engines}
+        self._removed: set[str] = set()
+
+    @classmethod
+    def for_manifest(
+        cls, manifest: Manifest, engines: Sequence[Engine], fallback: Engine, **kwargs: object
+    ) -> EnginePool:
+        hist = manifest.history
+        return cls(
+            engines,
+            fallback,
+            history_input=hist.input if hist else None,
+            mask_input=hist.mask_input if hist else None,
+            min_history_length=hist.min_padded_length if hist else 1,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        """Engines still in the pool, in the order they are tried."""
+        with self._lock:
+            return tuple(e for e in self._engines if e.name not in self._removed)
+
+    @property
+    def health(self) -> dict[str, EngineHealth]:
+        with self._lock:
+            return {
+                e.name: EngineHealth(
+                    e.name,
+                    e.name not in self._removed,
+                    self._consecutive[e.name],
+                    self._total[e.name],
+                )
+                for e in self._engines
+            }
+
+    def _record(self, engine: Engine, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self._consecutive[engine.name] = 0
+                return
+            self._consecutive[engine.name] += 1
+            self._total[engine.name] += 1
+            if self._consecutive[engine.name] >= self.max_consecutive_errors:
+                self._removed.add(engine.name)
+
+    # -- running ---------------------------------------------------------------------------
+
+    def run(self, inputs: Arrays) -> PoolResult:
+        engines = self.engines
+        n = _rows(inputs)
+        if not engines:
+            reason = "engines_unavailable" if self._engines else ""
+            return self._on_fallback(inputs, reason, n)
+        shapes = _shapes(inputs)
+        first_mismatch: ShapeMismatch | None = None
+        for engine in engines:
+            try:
+                engine.select_profile(_without_batch_limit(engine, shapes))
+            except ShapeMismatch as exc:
+                first_mismatch = first_mismatch or exc
+                continue
+            return self._run_whole(engine, inputs)
+        assert first_mismatch is not None
+        split = self._split_by_history(engines, inputs)
+        if split is not None:
+            return split
+        return self._on_fallback(inputs, _mismatch_reason(first_mismatch), n)
+
+    def _on_fallback(self, inputs: Arrays, reason: str, n: int) -> PoolResult:
+        outputs = self.fallback.infer(inputs)
+        return PoolResult(outputs, self.fallback.name, reason, (self.fallback.name,) * n)
+
+    def _run_chunked(self, engine: Engine, inputs: Arrays) -> dict[str, np.ndarray]:
+        limit = engine.max_batch_size
+        n = _rows(inputs)
+        if limit is None or n <= limit:
+            return engine.infer(inputs)
+        parts = [engine.infer(_take(inputs, slice(s, s + limit))) for s in range(0, n, limit)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+    def _run_whole(self, engine: Engine, inputs: Arrays) -> PoolResult:
+        n = _rows(inputs)
+        try:
+            outputs = self._run_chunked(engine, inputs)
+        except ShapeMismatch as exc:
+            return self._on_fallback(inputs, _mismatch_reason(exc), n)
+        except EngineFailure:
+            self._record(engine, ok=False)
+            return self._on_fallback(inputs, f"engine_error: {engine.name}", n)
+        self._record(engine, ok=True)
+        return PoolResult(outputs, engine.name, "", (engine.name,) * n)
+
+    def _row_lengths(self, inputs: Arrays) -> np.ndarray | None:
+        if self.mask_input is None or self.mask_input not in inputs:
+            return None
+        mask = np.asarray(inputs[self.mask_input]) > 0
+        # A row's length is one past its last valid position (masks may have holes).
+        last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
+        return np.where(mask.any(axis=1), last, 0)
+
+    def _split_by_history(self, engines: Sequence[Engine], inputs: Arrays) -> PoolResult | None:
+        lengths = self._row_lengths(inputs)
+        if lengths is None or self.history_input not in inputs:
+            return None
+        for engine in engines:
+            cap = _history_cap(engine, self.history_input)
+            if cap is None:
+                continue
+            low, high = cap
+            fits = lengths <= high
+            if not fits.any():
+                continue
+            rows = np.flatnonzero(fits)
+            length = max(int(lengths[rows].max()), low, self.min_history_length)
+            part = self._trim(_take(inputs, rows), min(length, high))
+            try:
+                engine.select_profile(_without_batch_limit(engine, _shapes(part)))
+            except ShapeMismatch:
+                continue
+            return self._assemble(engine, inputs, part, rows, lengths, high)
+        return None
+
+    def _trim(self, part: dict[str, np.ndarray], length: int) -> dict[str, np.ndarray]:
+        out = dict(part)
+        for name in (self.history_input, self.mask_input):
+            if name is None or name not in out:
+                continue
+            arr = out[name]
+            if arr.shape[1] >= length:
+                out[name] = np.ascontiguousarray(arr[:, :length])
+            else:
+                pad = [(0, 0), (0, length - arr.shape[1])] + [(0, 0)] * (arr.ndim - 2)
+                out[name] = np.pad(arr, pad)
+        return out
+
+    def _assemble(
+        self,
+        engine: Engine,
+        inputs: Arrays,
+        part: Arrays,
+        rows: np.ndarray,
+        lengths: np.ndarray,
+        high: int,
+    ) -> PoolResult:
+        n = _rows(inputs)
+        rest = np.setdiff1d(np.arange(n), rows)
+        try:
+            fast = self._run_chunked(engine, part)
+        except ShapeMismatch as exc:
+            return self._on_fallback(inputs, _mismatch_reason(exc), n)
+        except EngineFailure:
+            self._record(engine, ok=False)
+            return self._on_fallback(inputs, f"engine_error: {engine.name}", n)
+        self._record(engine, ok=True)
+        if rest.size == 0:
+            # Only padding made the batch too long; every row fitted once trimmed.
+            return PoolResult(fast, engine.name, "", (engine.name,) * n)
+        longest = int(lengths[rest].max())
+        reason = f"shape_mismatch: {self.history_input} length {longest} outside 1..{high}"
+        slow = self.fallback.infer(_take(inputs, rest))
+        outputs = {}
+        for name, value in fast.items():
+            merged = np.empty((n, *value.shape[1:]), dtype=value.dtype)
+            merged[rows] = value
+            merged[rest] = slow[name]
+            outputs[name] = merged
+        names = np.full(n, self.fallback.name, dtype=object)
+        names[rows] = engine.name
+        return PoolResult(outputs, engine.name, reason, tuple(str(x) for x in names))
+
+    # -- calibration -----------------------------------------------------------------------
+
+    def calibrate(
+        self, sample_inputs: Arrays, batch_sizes: Sequence[int], repeats: int = 5
+    ) -> CalibrationReport:
+        """Time every engine per batch size and order the pool fastest first.
+
+        Engines are ranked by the geometric mean of their time relative to the fastest engine
+        at each batch size they accept; an engine that accepts none keeps its place at the end.
+        """
+        seconds: dict[str, dict[int, float]] = {}
+        for engine in self.engines:
+            seconds[engine.name] = {}
+            for size in batch_sizes:
+                batch = _tile(sample_inputs, size)
+                try:
+                    engine.select_profile(_shapes(batch))
+                except ShapeMismatch:
+                    continue
+                engine.infer(batch)  # warm-up: first runs allocate and pick kernels
+                times = []
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    engine.infer(batch)
+                    times.append(time.perf_counter() - start)
+                seconds[engine.name][size] = statistics.median(times)
+        best = {
+            size: min((t[size] for t in seconds.values() if size in t), default=None)
+            for size in batch_sizes
+        }
+
+        def score(engine: Engine) -> float:
+            ratios = [t / b for s, t in seconds[engine.name].items() if (b := best[s]) and b > 0]
+            return float(np.exp(np.mean(np.log(ratios)))) if ratios else float("inf")
+
+        with self._lock:
+            self._engines.sort(key=score)
+            order = tuple(e.name for e in self._engines)
+        return CalibrationReport(seconds, order)
+
+
+def _tile(inputs: Arrays, rows: int) -> dict[str, np.ndarray]:
+    have = _rows(inputs)
+    index = np.arange(rows) % have
+    return {name: np.ascontiguousarray(a[index]) for name, a in inputs.items()}
+
+
+def _without_batch_limit(engine: Engine, shapes: dict[str, tuple[int, ...]]) -> dict:
+    # Batches larger than a profile are chunked, so only the non-batch dims decide the fit.
+    limit = engine.max_batch_size
+    if limit is None:
+        return shapes
+    return {n: (min(s[0], limit), *s[1:]) if s else s for n, s in shapes.items()}
+
+
+def _history_cap(engine: Engine, history_input: str | None) -> tuple[int, int] | None:
+    """(min, max) history length over the engine's profiles, None if unbounded or absent."""
+    caps = []
+    for profile in engine.profiles:
+        for spec in _specs(profile, history_input):
+            if len(spec.dims) > 1 and spec.dims[1].max_value is not None:
+                caps.append((spec.dims[1].min_value, spec.dims[1].max_value))
+    return max(caps, key=lambda c: c[1]) if caps else None
+
+
+def _specs(profile: Profile, name: str | None) -> list:
+    return [s for s in profile.inputs if s.name == name]
+
+
+def _mismatch_reason(exc: ShapeMismatch) -> str:
+    return f"shape_mismatch: {exc.tensor} dims {list(exc.dims)} outside {exc.accepted}"

@@ -1,0 +1,237 @@
+"""Step-by-step precision check: FP32 -> FP16 -> INT8 on held-out data, all with ONNX Runtime.
+
+Each variant is compared with FP32 on the same rows: largest and mean absolute score error,
+AUC (labels given) and the share of decisions that change at the manifest's thresholds. The
+manifest's tolerance decides; a variant that fails is refused and never loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engines.manifest import Manifest, Tolerance, load_manifest
+from engines.onnxrt.engine import OnnxRuntimeEngine
+
+__all__ = [
+    "REPORT_FILE",
+    "ValidationReport",
+    "VariantReport",
+    "accepted_variants",
+    "auc",
+    "load_report",
+    "validate_model",
+    "write_report",
+]
+
+REPORT_FILE = "validation.json"
+#: FP32 first, then each reduced precision in the order it is checked
+PRECISION_ORDER = ("fp32", "fp16", "int8")
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Area under the ROC curve by the rank-sum statistic, ties given their mean rank."""
+    labels = np.asarray(labels).astype(bool).ravel()
+    scores = np.asarray(scores, dtype=np.float64).ravel()
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        raise ValueError("AUC needs both positive and negative labels")
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    ranks = np.empty(scores.size, dtype=np.float64)
+    # Average rank over each run of equal scores.
+    starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+    ends = np.r_[starts[1:], scores.size]
+    for start, end in zip(starts, ends, strict=True):
+        ranks[order[start:end]] = (start + end + 1) / 2.0
+    rank_sum = ranks[labels].sum()
+    return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+@dataclass(frozen=True, slots=True)
+class VariantReport:
+    """One precision's scores compared with FP32 on the same rows."""
+
+    precision: str
+    file: str
+    max_abs_error: float
+    mean_abs_error: float
+    auc: float
+    auc_drop: float
+    flip_rate: float
+
+    def failures(self, tolerance: Tolerance) -> tuple[str, ...]:
+        """Which limits this variant exceeds (empty when it passes)."""
+        out = []
+        if self.max_abs_error > tolerance.max_abs_error:
+            out.append(f"max_abs_error {self.max_abs_error:.4g} > {tolerance.max_abs_error:g}")
+        if self.auc_drop > tolerance.auc_drop:
+            out.append(f"auc_drop {self.auc_drop:.4g} > {tolerance.auc_drop:g}")
+        if self.flip_rate > tolerance.flip_rate:
+            out.append(f"flip_rate {self.flip_rate:.4g} > {tolerance.flip_rate:g}")
+        return tuple(out)
+
+    def passes(self, tolerance: Tolerance) -> bool:
+        return not self.failures(tolerance)
+
+
+@dataclass(frozen=True, slots=True)
+class ValidationReport:
+    """The whole check for one model version; `tolerance` is the manifest's."""
+
+    model: str
+    version: str
+    rows: int
+    tolerance: Tolerance
+    variants: tuple[VariantReport, ...]
+
+    def variant(self, precision: str) -> VariantReport:
+        for v in self.variants:
+            if v.precision == precision:
+                return v
+        raise KeyError(precision)
+
+    def passes(self, precision: str) -> bool:
+        return self.variant(precision).passes(self.tolerance)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "version": self.version,
+            "rows": self.rows,
+            "tolerance": self.tolerance.model_dump(),
+            "variants": [{**asdict(v), "passes": v.passes(self.tolerance)} for v in self.variants],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> ValidationReport:
+        data = json.loads(text)
+        fields = VariantReport.__dataclass_fields__
+        return cls(
+            model=data["model"],
+            version=data["version"],
+            rows=int(data["rows"]),
+            tolerance=Tolerance.model_validate(data["tolerance"]),
+            variants=tuple(
+                VariantReport(**{k: v for k, v in item.items() if k in fields})
+                for item in data["variants"]
+            ),
+        )
+
+    def to_table(self) -> str:
+        head = (
+            f"{'precision':<10}{'max_abs_err':>12}{'mean_abs_err':>13}{'AUC':>8}"
+            f"{'AUC_drop':>10}{'flip_rate':>10}  verdict"
+        )
+        lines = [f"{self.model} v{self.version}: {self.rows} held-out rows", head]
+        for v in self.variants:
+            failures = v.failures(self.tolerance)
+            verdict = "pass" if not failures else "REFUSED: " + "; ".join(failures)
+            lines.append(
+                f"{v.precision:<10}{v.max_abs_error:>12.5f}{v.mean_abs_error:>13.6f}"
+                f"{v.auc:>8.4f}{v.auc_drop:>10.5f}{v.flip_rate:>10.4f}  {verdict}"
+            )
+        return "\n".join(lines)
+
+
+def _scores(engine: OnnxRuntimeEngine, inputs: Mapping[str, np.ndarray], output: str) -> np.ndarray:
+    rows = len(next(iter(inputs.values())))
+    chunks = []
+    for start in range(0, rows, 1024):
+        batch = {n: a[start : start + 1024] for n, a in inputs.items()}
+        chunks.append(np.asarray(engine.infer(batch)[output], dtype=np.float64).reshape(-1))
+    return np.concatenate(chunks)
+
+
+def _variant_files(model_dir: Path, manifest: Manifest) -> list[tuple[str, str]]:
+    files = [("fp32", "model.onnx")]
+    order = [p for p in PRECISION_ORDER if p in manifest.variants]
+    order += sorted(p for p in manifest.variants if p not in PRECISION_ORDER)
+    files += [(p, manifest.variants[p]) for p in order if p != "fp32"]
+    return files
+
+
+def validate_model(
+    model_dir: Path,
+    inputs: Mapping[str, np.ndarray],
+    labels: np.ndarray,
+    manifest: Manifest | None = None,
+) -> ValidationReport:
+    """Score `inputs` with FP32 and each variant in the manifest; compare each with FP32."""
+    manifest = manifest or load_manifest(model_dir)
+    labels = np.asarray(labels).ravel()
+    decide = np.vectorize(manifest.thresholds.decide, otypes=[object])
+    reference: np.ndarray | None = None
+    ref_auc = 0.0
+    ref_decisions: np.ndarray | None = None
+    reports = []
+    for precision, file in _variant_files(model_dir, manifest):
+        engine = OnnxRuntimeEngine.from_path(model_dir / file, precision=precision)
+        try:
+            scores = _scores(engine, inputs, manifest.output)
+        finally:
+            engine.close()
+        decisions = decide(scores)
+        if reference is None or ref_decisions is None:
+            reference, ref_decisions, ref_auc = scores, decisions, auc(labels, scores)
+        error = np.abs(scores - reference)
+        this_auc = auc(labels, scores)
+        reports.append(
+            VariantReport(
+                precision=precision,
+                file=file,
+                max_abs_error=float(error.max()),
+                mean_abs_error=float(error.mean()),
+                auc=this_auc,
+                auc_drop=max(0.0, ref_auc - this_auc),
+                flip_rate=float(np.mean(decisions != ref_decisions)),
+            )
+        )
+    return ValidationReport(
+        model=manifest.name,
+        version=manifest.version,
+        rows=int(labels.size),
+        tolerance=manifest.tolerance,
+        variants=tuple(reports),
+    )
+
+
+def write_report(model_dir: Path, report: ValidationReport) -> Path:
+    path = model_dir / REPORT_FILE
+    path.write_text(report.to_json() + "\n")
+    return path
+
+
+def load_report(model_dir: Path) -> ValidationReport | None:
+    path = model_dir / REPORT_FILE
+    return ValidationReport.from_json(path.read_text()) if path.exists() else None
+
+
+def accepted_variants(
+    model_dir: Path, report: ValidationReport | None = None, manifest: Manifest | None = None
+) -> dict[str, Path]:
+    """Precision -> ONNX path of every variant allowed to load: FP32 always, others only if
+    `report` (else the saved ``validation.json``) shows they pass the manifest's tolerance.
+
+    A variant missing from the report, or one whose report was made for another model version,
+    counts as unvalidated and is refused.
+    """
+    manifest = manifest or load_manifest(model_dir)
+    report = report if report is not None else load_report(model_dir)
+    accepted = {"fp32": model_dir / "model.onnx"}
+    if report is None or (report.model, report.version) != (manifest.name, manifest.version):
+        return accepted
+    checked = {v.precision: v for v in report.variants}
+    for precision, file in manifest.variants.items():
+        entry = checked.get(precision)
+        if entry is not None and entry.file == file and entry.passes(manifest.tolerance):
+            accepted[precision] = model_dir / file
+    return accepted
