@@ -1,0 +1,143 @@
+"""The benchmark's model: where its ONNX file is, what it expects, and a stand-in when absent.
+
+Every server in the comparison serves the same ONNX file and receives the same three tensors:
+``features`` (batch, n_features), ``history`` (batch, history_len, n_fields) and
+``history_mask`` (batch, history_len), all FP32, and answers ``score`` (batch, 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "DEMO_MODEL_PATH",
+    "REPO_ROOT",
+    "STANDIN_MODEL_PATH",
+    "ModelIO",
+    "build_standin_model",
+    "make_request_arrays",
+    "read_model_io",
+    "resolve_model_path",
+]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEMO_MODEL_PATH = REPO_ROOT / "models" / "fraud-demo" / "1" / "model.onnx"
+STANDIN_MODEL_PATH = REPO_ROOT / "bench" / ".peers" / "standin" / "model.onnx"
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """Names and fixed sizes of the model's tensors (dynamic axes left out)."""
+
+    n_features: int
+    n_history_fields: int
+    features_input: str = "features"
+    history_input: str = "history"
+    mask_input: str = "history_mask"
+    output: str = "score"
+
+
+def read_model_io(onnx_path: Path) -> ModelIO:
+    """Reads input names and the fixed feature and history-field widths from an ONNX file."""
+    import onnx
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    dims = {
+        inp.name: [
+            d.dim_value if d.HasField("dim_value") else -1 for d in inp.type.tensor_type.shape.dim
+        ]
+        for inp in model.graph.input
+    }
+    return ModelIO(
+        n_features=dims["features"][-1],
+        n_history_fields=dims["history"][-1],
+        output=model.graph.output[0].name,
+    )
+
+
+def build_standin_model(
+    path: Path, n_features: int = 30, n_fields: int = 8, hidden: int = 64
+) -> Path:
+    """Writes an MLP over features plus masked-mean-pooled history with the demo model's I/O."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(7)
+
+    def weight(name: str, *shape: int) -> onnx.TensorProto:
+        return numpy_helper.from_array(
+            (rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32), name
+        )
+
+    inits = [
+        weight("w_hist", n_fields, hidden),
+        weight("w_feat", n_features, hidden),
+        weight("w_pool", hidden, hidden),
+        weight("w_out", hidden, 1),
+        numpy_helper.from_array(np.array([-1], dtype=np.int64), "axis_last"),
+        numpy_helper.from_array(np.array([1], dtype=np.int64), "axis_time"),
+        numpy_helper.from_array(np.array([1.0], dtype=np.float32), "one"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["history", "w_hist"], ["h_proj"]),
+        helper.make_node("Relu", ["h_proj"], ["h_act"]),
+        helper.make_node("Unsqueeze", ["history_mask", "axis_last"], ["mask3"]),
+        helper.make_node("Mul", ["h_act", "mask3"], ["h_masked"]),
+        helper.make_node("ReduceSum", ["h_masked", "axis_time"], ["h_sum"], keepdims=0),
+        helper.make_node("ReduceSum", ["history_mask", "axis_time"], ["m_sum"], keepdims=1),
+        helper.make_node("Max", ["m_sum", "one"], ["m_den"]),
+        helper.make_node("Div", ["h_sum", "m_den"], ["h_mean"]),
+        helper.make_node("MatMul", ["h_mean", "w_pool"], ["h_pool"]),
+        helper.make_node("MatMul", ["features", "w_feat"], ["f_proj"]),
+        helper.make_node("Add", ["f_proj", "h_pool"], ["z"]),
+        helper.make_node("Relu", ["z"], ["z_act"]),
+        helper.make_node("MatMul", ["z_act", "w_out"], ["logit"]),
+        helper.make_node("Sigmoid", ["logit"], ["score"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "fraud_standin",
+        [
+            helper.make_tensor_value_info("features", TensorProto.FLOAT, ["batch", n_features]),
+            helper.make_tensor_value_info(
+                "history", TensorProto.FLOAT, ["batch", "time", n_fields]
+            ),
+            helper.make_tensor_value_info("history_mask", TensorProto.FLOAT, ["batch", "time"]),
+        ],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        inits,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def resolve_model_path(explicit: Path | None = None) -> Path:
+    """The ONNX file to serve: an explicit one, else the demo model, else the stand-in (built)."""
+    if explicit is not None:
+        return explicit
+    if DEMO_MODEL_PATH.exists():
+        return DEMO_MODEL_PATH
+    if not STANDIN_MODEL_PATH.exists():
+        build_standin_model(STANDIN_MODEL_PATH)
+    return STANDIN_MODEL_PATH
+
+
+def make_request_arrays(
+    io: ModelIO, history_len: int, batch: int = 1, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """One request's inputs: random features, a full history of `history_len` valid rows."""
+    rng = np.random.default_rng(seed)
+    return {
+        io.features_input: rng.standard_normal((batch, io.n_features), dtype=np.float32),
+        io.history_input: rng.standard_normal(
+            (batch, history_len, io.n_history_fields), dtype=np.float32
+        ),
+        io.mask_input: np.ones((batch, history_len), dtype=np.float32),
+    }

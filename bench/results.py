@@ -1,0 +1,123 @@
+"""Result records shared by the load generators, and the rule for the best rate under budget.
+
+A failed request has no usable latency; it is counted as infinitely slow, so more than 1 %
+errors always puts p99 over any budget, and the error-rate limit catches smaller shares.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+__all__ = ["PointResult", "best_rate_under_budget", "percentiles_ms", "summarize"]
+
+PERCENTILES = (50.0, 90.0, 99.0, 99.9)
+
+
+@dataclass(frozen=True)
+class PointResult:
+    """One load point: offered load, what came back, and the latency distribution in ms."""
+
+    server: str
+    client: str
+    mode: str  # "rate" (open loop, req/s offered) or "concurrency" (closed loop)
+    load: float
+    duration_s: float
+    sent: int
+    ok: int
+    errors: int
+    throughput_rps: float
+    p50_ms: float
+    p90_ms: float
+    p99_ms: float
+    p999_ms: float
+    mean_ms: float
+    error_codes: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.sent if self.sent else 0.0
+
+    def as_dict(self) -> dict:
+        record = asdict(self)
+        record["error_rate"] = self.error_rate
+        return {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in record.items()
+        }
+
+    @classmethod
+    def from_dict(cls, record: dict) -> PointResult:
+        known = {k: v for k, v in record.items() if k in cls.__dataclass_fields__}
+        for key in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "mean_ms"):
+            if known.get(key) is None:
+                known[key] = math.inf
+        return cls(**known)
+
+
+def percentiles_ms(latencies_s: np.ndarray, failed: int) -> list[float]:
+    """p50/p90/p99/p99.9 in ms, with `failed` requests counted as infinitely slow."""
+    total = latencies_s.size + failed
+    if total == 0:
+        return [math.nan] * len(PERCENTILES)
+    ordered = np.sort(latencies_s)
+    values = []
+    for pct in PERCENTILES:
+        # Nearest-rank percentile over the successes plus `failed` infinite entries.
+        rank = max(1, math.ceil(pct / 100.0 * total))
+        values.append(float(ordered[rank - 1]) * 1e3 if rank <= ordered.size else math.inf)
+    return values
+
+
+def summarize(
+    *,
+    server: str,
+    client: str,
+    mode: str,
+    load: float,
+    latencies_s: Sequence[float] | np.ndarray,
+    error_codes: Iterable[str],
+    sent: int,
+    window_s: float,
+    note: str = "",
+) -> PointResult:
+    """Builds a PointResult from raw per-request latencies and error codes."""
+    latencies = np.asarray(latencies_s, dtype=np.float64)
+    codes = Counter(error_codes)
+    errors = sum(codes.values())
+    p50, p90, p99, p999 = percentiles_ms(latencies, errors)
+    return PointResult(
+        server=server,
+        client=client,
+        mode=mode,
+        load=load,
+        duration_s=window_s,
+        sent=sent,
+        ok=int(latencies.size),
+        errors=errors,
+        throughput_rps=latencies.size / window_s if window_s > 0 else 0.0,
+        p50_ms=p50,
+        p90_ms=p90,
+        p99_ms=p99,
+        p999_ms=p999,
+        mean_ms=float(latencies.mean() * 1e3) if latencies.size else math.nan,
+        error_codes=dict(codes),
+        note=note,
+    )
+
+
+def best_rate_under_budget(
+    points: Iterable[PointResult], budget_ms: float, max_error_rate: float
+) -> PointResult | None:
+    """The open-loop point with the highest offered rate meeting the p99 budget and error limit."""
+    passing = [
+        p
+        for p in points
+        if p.mode == "rate" and p.p99_ms <= budget_ms and p.error_rate <= max_error_rate
+    ]
+    return max(passing, key=lambda p: p.load, default=None)

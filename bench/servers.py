@@ -1,0 +1,103 @@
+"""Servers under test as child processes: start, wait until the model is ready, stop.
+
+Each kind (riskserve, Triton, MLServer) supplies its command line and environment; this module
+owns the process lifetime. A server's output goes to a log file next to the results, so a
+failure to start can be read afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.oip import wait_model_ready
+
+__all__ = ["ServerProcess", "ServerSpec", "free_port"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How to launch one server: its command, environment additions and gRPC port."""
+
+    name: str
+    argv: tuple[str, ...]
+    grpc_port: int
+    model_name: str
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: Path | None = None
+    startup_timeout_s: float = 120.0
+    supports_model_config: bool = True
+
+
+class ServerProcess:
+    """A running server; use as a context manager so it is always stopped."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path) -> None:
+        self.spec = spec
+        self.log_path = log_path
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.spec.grpc_port}"
+
+    def start(self) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("wb")
+        env = {**os.environ, **self.spec.env}
+        started = time.monotonic()
+        # A new session, so stop() can signal the server and any workers it forks.
+        self._process = subprocess.Popen(
+            self.spec.argv,
+            env=env,
+            cwd=self.spec.cwd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_model_ready(
+                self.target,
+                self.spec.model_name,
+                self.spec.startup_timeout_s,
+                is_alive=lambda: self._process is not None and self._process.poll() is None,
+            )
+        except Exception:
+            self.stop()
+            raise RuntimeError(
+                f"{self.spec.name} did not become ready; its log is {self.log_path}"
+            ) from None
+        self.startup_s = time.monotonic() - started
+        return self
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
