@@ -1,0 +1,278 @@
+"""Drives Triton's perf_analyzer (from the tritonclient 2.51 wheel) against any OIP gRPC server.
+
+perf_analyzer is a C++ client, so it takes far less of the shared CPU than the Python load
+generator. It reads the model's ``max_batch_size`` through Triton's ``ModelConfig`` RPC, so it
+works against Triton and riskserve but not MLServer. Each load point is one perf_analyzer run;
+its CSV (``-f``) gives the throughput and p50/p90/p99 (it has no p99.9, and the 2.51 binary
+wrote empty profile exports here, so p99.9 is left unknown), its summary the mean latency and
+the request count. In request-rate mode perf_analyzer times each request from its actual send,
+not from the schedule, and says which share of its sends fell behind; that share is kept in
+the point's note. perf_analyzer stops on failed requests, so a failed run is one error point.
+
+    .venv/bin/python -m bench.perf_analyzer --target 127.0.0.1:8001 --rates 500,1000 \
+        --concurrency 1,8
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.model_io import REPO_ROOT, make_request_arrays, read_model_io, resolve_model_path
+from bench.results import PointResult, best_rate_under_budget
+
+__all__ = ["PerfAnalyzer", "PerfPlan", "main"]
+
+PEERS_DIR = REPO_ROOT / "bench" / ".peers"
+PERF_BIN = PEERS_DIR / "perf-venv" / "bin" / "perf_analyzer"
+PERF_LIBS = PEERS_DIR / "perf-libs"
+
+
+@dataclass(frozen=True)
+class PerfPlan:
+    """One sweep's settings; each point measures `windows` windows of `window_s` seconds."""
+
+    target: str
+    model_name: str = "fraud-demo"
+    history_len: int = 32
+    window_s: float = 2.0
+    windows: int = 3
+    max_threads: int = 16
+    timeout_s: float = 120.0
+
+
+class PerfAnalyzer:
+    """Runs perf_analyzer once per load point and turns its output into PointResults."""
+
+    def __init__(
+        self, plan: PerfPlan, onnx_path: Path | None = None, server_label: str = ""
+    ) -> None:
+        if not PERF_BIN.exists():
+            raise FileNotFoundError(f"no {PERF_BIN}; run bench/peers/setup.sh first")
+        self.plan = plan
+        self.server_label = server_label or plan.target
+        self.io = read_model_io(resolve_model_path(onnx_path))
+        self._tmp = tempfile.TemporaryDirectory(prefix="perf-analyzer-")
+        self._input_data = Path(self._tmp.name) / "input.json"
+        self._write_input_data()
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+    def __enter__(self) -> PerfAnalyzer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _write_input_data(self) -> None:
+        # The same tensors the Python load generator sends (batch axis dropped: -b 1 adds it).
+        arrays = make_request_arrays(self.io, self.plan.history_len, seed=1)
+        entry = {
+            name: {"content": array[0].reshape(-1).tolist(), "shape": list(array.shape[1:])}
+            for name, array in arrays.items()
+        }
+        self._input_data.write_text(json.dumps({"data": [entry]}))
+
+    def _argv(self, mode: str, load: float, csv_path: Path) -> list[str]:
+        io, plan = self.io, self.plan
+        argv = [
+            str(PERF_BIN),
+            "-m",
+            plan.model_name,
+            "-u",
+            plan.target,
+            "-i",
+            "grpc",
+            "-b",
+            "1",
+            "--shape",
+            f"{io.features_input}:{io.n_features}",
+            "--shape",
+            f"{io.history_input}:{plan.history_len},{io.n_history_fields}",
+            "--shape",
+            f"{io.mask_input}:{plan.history_len}",
+            "--input-data",
+            str(self._input_data),
+            "--measurement-mode",
+            "time_windows",
+            "--measurement-interval",
+            str(int(plan.window_s * 1000)),
+            # Stop after `windows` windows whatever their spread: a bounded run per point.
+            "--max-trials",
+            str(plan.windows),
+            "--stability-percentage",
+            "1000",
+            "--percentile",
+            "99",
+            "--max-threads",
+            str(plan.max_threads),
+            "--async",
+            "-f",
+            str(csv_path),
+        ]
+        if mode == "rate":
+            argv += ["--request-rate-range", f"{load:g}", "--request-distribution", "poisson"]
+        else:
+            argv += ["--concurrency-range", f"{int(load)}"]
+        return argv
+
+    def run_point(self, mode: str, load: float) -> PointResult:
+        csv_path = Path(self._tmp.name) / "report.csv"
+        csv_path.unlink(missing_ok=True)
+        env = {
+            **os.environ,
+            "LD_LIBRARY_PATH": ":".join(
+                p for p in (str(PERF_LIBS), os.environ.get("LD_LIBRARY_PATH")) if p
+            ),
+        }
+        proc = subprocess.run(
+            self._argv(mode, load, csv_path),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=self.plan.timeout_s,
+        )
+        if proc.returncode != 0 or not csv_path.exists():
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+            return self._failed_point(mode, load, " | ".join(tail))
+        return self._parse(mode, load, csv_path, proc.stdout)
+
+    def _failed_point(self, mode: str, load: float, why: str) -> PointResult:
+        return PointResult(
+            server=self.server_label,
+            client="perf_analyzer",
+            mode=mode,
+            load=load,
+            duration_s=0.0,
+            sent=0,
+            ok=0,
+            errors=1,
+            throughput_rps=0.0,
+            p50_ms=math.inf,
+            p90_ms=math.inf,
+            p99_ms=math.inf,
+            p999_ms=math.inf,
+            mean_ms=math.inf,
+            error_codes={"PERF_ANALYZER_FAILED": 1},
+            note=why,
+        )
+
+    def _parse(self, mode: str, load: float, csv_path: Path, stdout: str) -> PointResult:
+        with csv_path.open() as handle:
+            row = next(csv.DictReader(handle))
+
+        def ms(key: str) -> float:
+            return float(row[key]) / 1e3  # perf_analyzer reports microseconds
+
+        count = _last_number(r"Request count:\s*(\d+)", stdout)
+        mean_us = _last_number(r"Avg latency:\s*(\d+)\s*usec", stdout)
+        delayed = _last_number(r"([\d.]+)% of the requests were delayed", stdout)
+        window_s = self.plan.window_s
+        return PointResult(
+            server=self.server_label,
+            client="perf_analyzer",
+            mode=mode,
+            load=load,
+            duration_s=window_s,
+            sent=int(count) if math.isfinite(count) else 0,
+            ok=int(count) if math.isfinite(count) else 0,
+            errors=0,
+            throughput_rps=float(row["Inferences/Second"]),
+            p50_ms=ms("p50 latency"),
+            p90_ms=ms("p90 latency"),
+            p99_ms=ms("p99 latency"),
+            p999_ms=math.nan,
+            mean_ms=mean_us / 1e3,
+            note=f"perf_analyzer: {delayed:g}% of sends delayed" if math.isfinite(delayed) else "",
+        )
+
+    def sweep(
+        self,
+        rates: Sequence[float] = (),
+        concurrencies: Sequence[int] = (),
+        budget_ms: float = 10.0,
+        max_error_rate: float = 0.001,
+        stop_after_failures: int = 2,
+        log=print,
+    ) -> list[PointResult]:
+        from bench.loadgen import format_point
+
+        points: list[PointResult] = []
+        misses = 0
+        for rate in sorted(rates):
+            point = self.run_point("rate", rate)
+            points.append(point)
+            log(format_point(point))
+            passed = point.p99_ms <= budget_ms and point.error_rate <= max_error_rate
+            misses = 0 if passed else misses + 1
+            if stop_after_failures and misses >= stop_after_failures:
+                log(f"  stopping the rate sweep after {misses} points over budget")
+                break
+        for concurrency in concurrencies:
+            point = self.run_point("concurrency", concurrency)
+            points.append(point)
+            log(format_point(point))
+        return points
+
+
+def _last_number(pattern: str, text: str) -> float:
+    """The last match of `pattern`'s group in perf_analyzer's summary, or NaN."""
+    found = re.findall(pattern, text)
+    return float(found[-1]) if found else math.nan
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", required=True, help="host:port of an OIP gRPC server")
+    parser.add_argument("--model-name", default="fraud-demo")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="ONNX file the inputs are shaped for"
+    )
+    parser.add_argument("--rates", type=_floats, default=[], help="comma-separated req/s")
+    parser.add_argument("--concurrency", type=_floats, default=[], help="comma-separated callers")
+    parser.add_argument("--window-s", type=float, default=2.0)
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--history-len", type=int, default=32)
+    parser.add_argument("--budget-ms", type=float, default=10.0)
+    parser.add_argument("--max-error-rate", type=float, default=0.001)
+    parser.add_argument("--json", type=Path, default=None, help="write the points here")
+    args = parser.parse_args(argv)
+    plan = PerfPlan(
+        target=args.target,
+        model_name=args.model_name,
+        history_len=args.history_len,
+        window_s=args.window_s,
+        windows=args.windows,
+    )
+    with PerfAnalyzer(plan, args.model) as analyzer:
+        points = analyzer.sweep(
+            args.rates, [int(c) for c in args.concurrency], args.budget_ms, args.max_error_rate
+        )
+    best = best_rate_under_budget(points, args.budget_ms, args.max_error_rate)
+    print(
+        f"highest rate with p99 <= {args.budget_ms:g} ms and errors <= {args.max_error_rate:.2%}: "
+        + (f"{best.load:g} req/s" if best else "none of the rates tried")
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([p.as_dict() for p in points], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
