@@ -1,0 +1,24 @@
+"""Lazy access to the `tensorrt` module, so the package imports on hosts without it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engines.base import EngineUnavailable
+
+__all__ = ["import_tensorrt", "tensorrt_major"]
+
+
+def import_tensorrt() -> Any:
+    try:
+        import tensorrt
+    except ImportError as exc:
+        raise EngineUnavailable(
+            f"TensorRT is not installed: {exc}. Install it from NVIDIA's package index "
+            "or run inside NVIDIA's TensorRT container."
+        ) from exc
+    return tensorrt
+
+
+def tensorrt_major(trt: Any) -> int:
+    return int(str(trt.__version__).split(".")[0])

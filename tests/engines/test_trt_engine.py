@@ -1,0 +1,149 @@
+"""`TensorRTEngine` against the stand-in tensorrt and CUDA runtime (TensorRT 10 and 11)."""
+
+from __future__ import annotations
+
+import math
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.base import (
+    DimRange,
+    EngineFailure,
+    EngineUnavailable,
+    Profile,
+    ShapeMismatch,
+    TensorSpec,
+)
+from engines.onnxrt import OnnxRuntimeEngine
+from engines.trt import PlanStore, TensorRTEngine, build_engines
+
+
+@pytest.fixture
+def plan(trt, model_dir: Path) -> bytes:
+    (path,) = build_engines(model_dir, ["fp32"], contexts=2)
+    return path.read_bytes()
+
+
+def test_scores_match_onnxruntime(plan: bytes, model_dir: Path, inputs_factory) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    inputs = inputs_factory(20, length=12)
+    expected = OnnxRuntimeEngine.from_path(model_dir / "model.onnx").infer(inputs)["score"]
+    np.testing.assert_allclose(engine.infer(inputs)["score"], expected, rtol=1e-6)
+    assert engine.name == "tensorrt-fp32"
+    assert engine.kind == "tensorrt"
+
+
+def test_profiles_come_from_the_plan(plan: bytes) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    assert len(engine.profiles) == 2
+    assert engine.max_concurrency == 2
+    history = next(s for s in engine.profiles[1].inputs if s.name == "history")
+    assert history.dims == (DimRange(1, 16, 64), DimRange(1, 16, 32), DimRange(3, 3, 3))
+    assert engine.max_batch_size == 64
+
+
+def test_buffers_are_sized_for_the_profile_max_and_freed(trt, plan: bytes) -> None:
+    before = set(trt.memory.blocks)
+    engine = TensorRTEngine(plan, precision="fp32")
+    sizes = sorted(size for p, (_, size, _dev) in trt.memory.blocks.items() if p not in before)
+    per_context = [64 * 6 * 4, 64 * 32 * 3 * 4, 64 * 32 * 4, 64 * 1 * 4]  # in, in, in, out
+    assert sizes == sorted(per_context * 2 * 2)  # two contexts, pinned + device each
+    engine.close()
+    assert set(trt.memory.blocks) == before
+    assert not trt.memory.streams
+
+
+def test_buffers_are_reused_across_batches(trt, plan: bytes, inputs_factory) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    blocks = set(trt.memory.blocks)
+    for n in (1, 7, 64):
+        engine.infer(inputs_factory(n, length=5))
+    assert set(trt.memory.blocks) == blocks
+
+
+def test_shape_outside_the_profile_is_refused_before_tensorrt(
+    trt, plan: bytes, inputs_factory
+) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    with pytest.raises(ShapeMismatch) as info:
+        engine.infer(inputs_factory(3, length=80))
+    assert info.value.tensor == "history"
+    assert info.value.dims == (3, 80, 3)
+    assert "1..32" in info.value.accepted
+    assert not engine._logger.recent_errors()  # set_input_shape was never asked
+
+
+def test_set_input_shape_false_is_a_shape_mismatch(trt, plan: bytes, inputs_factory) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    # Pretend the engine's own profile were wider than TensorRT's, so only TensorRT refuses.
+    wide = DimRange(1, 1, None)
+    loose = Profile(
+        0,
+        tuple(
+            TensorSpec(s.name, s.dtype, (wide,) * len(s.dims)) for s in engine.profiles[0].inputs
+        ),
+    )
+    for worker in engine._all:
+        worker.profile = loose
+    engine.profiles = (loose,)
+    with pytest.raises(ShapeMismatch, match="TensorRT refused"):
+        engine.infer(inputs_factory(2, length=40))
+    assert any("Error Code 3" in m for m in engine._logger.recent_errors())
+
+
+def test_execute_false_is_an_engine_failure(trt, plan: bytes, inputs_factory) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    trt.trt.execute_failure = "illegal memory access"
+    with pytest.raises(EngineFailure, match="execute_async_v3 returned False"):
+        engine.infer(inputs_factory(2))
+    trt.trt.execute_failure = ""
+    assert engine.infer(inputs_factory(2))["score"].shape == (2, 1)
+
+
+def test_undeserializable_plan_is_unavailable(trt) -> None:
+    with pytest.raises(EngineUnavailable, match="could not deserialize"):
+        TensorRTEngine(b"not a plan", precision="fp16")
+
+
+def test_plan_from_another_tensorrt_version_does_not_deserialize(
+    trt, plan: bytes, install_trt
+) -> None:
+    other = "11.4.0" if trt.trt.__version__.startswith("10") else "10.13.0"
+    install_trt(other)
+    with pytest.raises(EngineUnavailable, match="version mismatch"):
+        TensorRTEngine(plan, precision="fp32")
+
+
+def test_contexts_run_concurrently(plan: bytes, model_dir: Path, inputs_factory) -> None:
+    engine = TensorRTEngine(plan, precision="fp32")
+    batches = [inputs_factory(4 + i, seed=i) for i in range(6)]
+    reference = OnnxRuntimeEngine.from_path(model_dir / "model.onnx")
+    errors: list[BaseException] = []
+
+    def work(batch: dict) -> None:
+        try:
+            got = engine.infer(batch)["score"]
+            np.testing.assert_allclose(got, reference.infer(batch)["score"], rtol=1e-6)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(b,)) for b in batches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_plan_record_and_inspector_sit_beside_the_plan(trt, model_dir: Path) -> None:
+    (path,) = build_engines(model_dir, ["fp32"], contexts=1)
+    (record,) = PlanStore(model_dir).records("fp32")
+    assert path == PlanStore(model_dir).plan_path(record.key)
+    assert path.with_suffix(".layers.json").exists()
+    assert record.key.compute_capability == "9.0"
+    assert record.key.tensorrt_version == trt.trt.__version__
+    assert len(record.profiles) == 1
+    assert math.isfinite(record.build_seconds)
