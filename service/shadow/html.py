@@ -98,29 +98,23 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 
 
 def _arms_table(report: Report) -> str:
-    rows = []
-    for arm in report.arms:
-        m = arm.labels
-        rows.append(
-            [
-                _e(arm.arm),
-                _e(arm.version),
-                arm.records,
-                arm.served,
-                arm.latency_ms_p50,
-                arm.latency_ms_p99,
-                " / ".join(str(arm.decisions[d]) for d in DECISIONS),
-                _ci(m.auc) if m else "n/a",
-                _ci(m.precision_at_review) if m else "n/a",
-                _ci(m.recall_at_review) if m else "n/a",
-                _ci(m.precision_at_decline) if m else "n/a",
-                _ci(m.recall_at_decline) if m else "n/a",
-            ]
-        )
-    header = ["arm", "version", "records", "served", "latency p50 ms", "latency p99 ms",
-              "approve / review / decline", "AUC [95% CI]", "precision@review",
-              "recall@review", "precision@decline", "recall@decline"]  # fmt: skip
-    return _table(header, rows)
+    volume = _table(
+        ["arm", "version", "records", "served", "latency p50 ms", "latency p99 ms",
+         "approve / review / decline"],
+        [[_e(a.arm), _e(a.version), a.records, a.served, a.latency_ms_p50, a.latency_ms_p99,
+          " / ".join(str(a.decisions[d]) for d in DECISIONS)] for a in report.arms],
+    )  # fmt: skip
+    labelled = [a for a in report.arms if a.labels is not None]
+    if not labelled:
+        return volume + "<p>no labels: quality not measured</p>"
+    quality = _table(
+        ["arm", "version", "labelled", "AUC [95% CI]", "precision@review", "recall@review",
+         "precision@decline", "recall@decline"],
+        [[_e(a.arm), _e(a.version), m.labelled, _ci(m.auc), _ci(m.precision_at_review),
+          _ci(m.recall_at_review), _ci(m.precision_at_decline), _ci(m.recall_at_decline)]
+         for a in labelled if (m := a.labels) is not None],
+    )  # fmt: skip
+    return volume + "<h2>Quality against labels</h2>" + quality
 
 
 def _img(plot: Callable[[Any, Report], None], report: Report) -> str:

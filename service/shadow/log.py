@@ -56,7 +56,7 @@ class ExperimentLog:
         self.flush_interval_s = flush_interval_s
         self.max_buffered_records = max_buffered_records
         self._on_drop = on_drop
-        self._buffer: list[ExperimentRecord] = []
+        self._buffer: list[tuple[ExperimentRecord, int]] = []  # (record, UTC time in ns)
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._wake = threading.Event()
@@ -79,10 +79,9 @@ class ExperimentLog:
 
     def log(self, record: ExperimentRecord) -> bool:
         """Queue one record; False (and counted) when the buffer is full or the log is closed."""
-        stamped = record.stamped()
         with self._lock:
             if not self._closed and len(self._buffer) < self.max_buffered_records:
-                self._buffer.append(stamped)
+                self._buffer.append((record, record.time_ns or time.time_ns()))
                 return True
             self.dropped += 1
         if self._on_drop is not None:
@@ -127,7 +126,7 @@ class ExperimentLog:
             except Exception:  # the flusher must survive anything a filesystem raises
                 _log.exception("experiment log flush failed")
 
-    def _write(self, experiment: str, records: list[ExperimentRecord]) -> int:
+    def _write(self, experiment: str, records: list[tuple[ExperimentRecord, int]]) -> int:
         self._sequence += 1
         path = (
             f"{self._root}/{safe_segment(experiment)}/{self.replica_id}/"
@@ -144,7 +143,7 @@ class ExperimentLog:
         self.files_written += 1
         return len(records)
 
-    def _requeue_or_drop(self, records: list[ExperimentRecord]) -> None:
+    def _requeue_or_drop(self, records: list[tuple[ExperimentRecord, int]]) -> None:
         # Keep failed records for the next flush while they fit in the bound; drop the rest.
         with self._lock:
             room = max(0, self.max_buffered_records - len(self._buffer))
@@ -156,8 +155,10 @@ class ExperimentLog:
             self._on_drop(lost)
 
 
-def _by_experiment(records: list[ExperimentRecord]) -> dict[str, list[ExperimentRecord]]:
-    groups: dict[str, list[ExperimentRecord]] = {}
-    for record in records:
-        groups.setdefault(record.experiment, []).append(record)
+def _by_experiment(
+    records: list[tuple[ExperimentRecord, int]],
+) -> dict[str, list[tuple[ExperimentRecord, int]]]:
+    groups: dict[str, list[tuple[ExperimentRecord, int]]] = {}
+    for item in records:
+        groups.setdefault(item[0].experiment, []).append(item)
     return groups

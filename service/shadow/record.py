@@ -55,12 +55,13 @@ class ExperimentRecord:
         return replace(self, time_ns=time.time_ns())
 
 
-def records_to_table(records: list[ExperimentRecord], replica_id: str) -> pa.Table:
-    """Build one table in `RECORD_SCHEMA` from records (column by column, no per-row dicts)."""
+def records_to_table(stamped: list[tuple[ExperimentRecord, int]], replica_id: str) -> pa.Table:
+    """Build one table in `RECORD_SCHEMA` from (record, time in ns) pairs, column by column."""
+    records = [r for r, _ in stamped]
     columns = {
         "request_id": [r.request_id for r in records],
         "entity_id": [r.entity_id for r in records],
-        "time": [r.time_ns for r in records],
+        "time": [t for _, t in stamped],
         "experiment": [r.experiment for r in records],
         "model": [r.model for r in records],
         "arm": [r.arm for r in records],
