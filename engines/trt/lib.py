@@ -17,6 +17,12 @@ def import_tensorrt() -> Any:
             f"TensorRT is not installed: {exc}. Install it from NVIDIA's package index "
             "or run inside NVIDIA's TensorRT container."
         ) from exc
+    if not hasattr(tensorrt, "Builder"):
+        # Type stubs alone leave an empty namespace package named tensorrt.
+        raise EngineUnavailable(
+            "TensorRT is not installed: the importable 'tensorrt' has no bindings "
+            "(type stubs only?)"
+        )
     return tensorrt
 
 

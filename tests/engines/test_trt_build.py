@@ -113,5 +113,13 @@ def test_build_engines_without_tensorrt_is_unavailable(
     model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # import then raises ImportError
-    with pytest.raises(EngineUnavailable, match="^TensorRT is not installed: "):
+    with pytest.raises(EngineUnavailable, match=r"^TensorRT is not installed: "):
+        build_engines(model_dir)
+
+
+def test_type_stubs_alone_are_not_tensorrt(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))
+    with pytest.raises(EngineUnavailable, match=r"^TensorRT is not installed: "):
         build_engines(model_dir)
