@@ -117,7 +117,9 @@ def test_build_engines_without_tensorrt_is_unavailable(
         build_engines(model_dir)
 
 
-def test_type_stubs_alone_are_not_tensorrt(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_type_stubs_alone_are_not_tensorrt(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import types
 
     monkeypatch.setitem(sys.modules, "tensorrt", types.ModuleType("tensorrt"))

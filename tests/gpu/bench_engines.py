@@ -87,7 +87,9 @@ def main(model_dir: Path, out_dir: Path, repeats: int = 200) -> int:
     lines = ["| engine | batch | median ms | p99 ms |", "| --- | ---: | ---: | ---: |"]
     for r in rows:
         if "median_ms" in r:
-            lines.append(f"| {r['engine']} | {r['batch']} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} |")
+            lines.append(
+                f"| {r['engine']} | {r['batch']} | {r['median_ms']:.3f} | {r['p99_ms']:.3f} |"
+            )
         else:
             lines.append(f"| {r['engine']} | {r['batch']} | skipped | {r['skipped']} |")
     (out_dir / "engines-bench.md").write_text("\n".join(lines) + "\n")
