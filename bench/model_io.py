@@ -15,17 +15,20 @@ import numpy as np
 __all__ = [
     "DEMO_MODEL_PATH",
     "REPO_ROOT",
+    "STANDIN_MODELS_DIR",
     "STANDIN_MODEL_PATH",
     "ModelIO",
     "build_standin_model",
     "make_request_arrays",
     "read_model_io",
     "resolve_model_path",
+    "write_standin_models_dir",
 ]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL_PATH = REPO_ROOT / "models" / "fraud-demo" / "1" / "model.onnx"
 STANDIN_MODEL_PATH = REPO_ROOT / "bench" / ".peers" / "standin" / "model.onnx"
+STANDIN_MODELS_DIR = REPO_ROOT / "bench" / ".peers" / "standin-models"
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,31 @@ def resolve_model_path(explicit: Path | None = None) -> Path:
     if not STANDIN_MODEL_PATH.exists():
         build_standin_model(STANDIN_MODEL_PATH)
     return STANDIN_MODEL_PATH
+
+
+def write_standin_models_dir(onnx_path: Path, root: Path = STANDIN_MODELS_DIR) -> Path:
+    """A riskserve models folder ``root/fraud-demo/1/`` serving `onnx_path` with a manifest."""
+    import json
+    import shutil
+
+    io = read_model_io(onnx_path)
+    version_dir = root / "fraud-demo" / "1"
+    version_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(onnx_path, version_dir / "model.onnx")
+    manifest = {
+        "name": "fraud-demo",
+        "version": "1",
+        "description": "benchmark stand-in with the demo model's inputs and output",
+        "features": [f"f{i:02d}" for i in range(io.n_features)],
+        "history": {
+            "fields": [f"h{i}" for i in range(io.n_history_fields)],
+            "max_length": 256,
+        },
+        "output": io.output,
+        "thresholds": {"review": 0.5, "decline": 0.9},
+    }
+    (version_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    return root
 
 
 def make_request_arrays(

@@ -1,0 +1,422 @@
+"""riskserve against Triton and MLServer on the same ONNX model, the same tensors, one machine.
+
+For each server in turn: start it on 127.0.0.1, warm it, run the sweep with the chosen client,
+stop it. Then print a table, the ratios riskserve / peer of the highest rate whose p99 meets
+the budget (with at most the allowed error rate) and of p99 at a common rate, write the points
+as JSON under bench/results/, and draw latency against achieved throughput as a PNG.
+
+Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH_SIZE=1),
+``triton``, ``mlserver``. Clients: ``loadgen`` (Python, open-loop Poisson and closed loop) or
+``perf_analyzer`` (C++, lower CPU; MLServer lacks the ModelConfig call it needs, so MLServer
+falls back to loadgen and its rows say so). The client shares the cores with the server.
+
+    .venv/bin/python -m bench.compare --servers triton,mlserver --rates 250,500,1000,1500 \
+        --duration-s 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.loadgen import LoadGenerator, LoadPlan
+from bench.model_io import (
+    DEMO_MODEL_PATH,
+    REPO_ROOT,
+    resolve_model_path,
+    write_standin_models_dir,
+)
+from bench.peers.mlserver.launch import MLServerConfig, mlserver_spec
+from bench.peers.triton import TritonConfig, triton_spec
+from bench.results import PointResult, best_rate_under_budget
+from bench.servers import ServerProcess, ServerSpec, free_port
+
+__all__ = ["main"]
+
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+WORK_DIR = REPO_ROOT / "bench" / ".peers" / "work"
+RISKSERVE_BIN = REPO_ROOT / ".venv" / "bin" / "riskserve"
+ALL_SERVERS = ("riskserve", "riskserve-nobatch", "triton", "mlserver")
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Batching settings given to every server, as close to each other as their knobs allow."""
+
+    max_batch_size: int
+    triton_queue_delay_us: int
+    mlserver_batch_time_s: float
+    intra_op_threads: int
+
+
+class Skip(Exception):
+    """A server that cannot run here; the reason is printed and the comparison goes on."""
+
+
+def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
+    if not RISKSERVE_BIN.exists():
+        raise Skip(f"{RISKSERVE_BIN.relative_to(REPO_ROOT)} is not installed yet")
+    probe = subprocess.run(
+        [str(RISKSERVE_BIN), "serve", "--help"], capture_output=True, text=True, timeout=60
+    )
+    if probe.returncode != 0:
+        raise Skip("`riskserve serve --help` fails: the serve command is not there yet")
+    if onnx_path == DEMO_MODEL_PATH:
+        models_dir = "models"
+    else:
+        # No demo model yet (or another ONNX file): serve it from a stand-in models folder.
+        models_dir = str(write_standin_models_dir(onnx_path))
+    port = free_port()
+    env = {
+        "RISKSERVE_MODELS_DIR": models_dir,
+        "RISKSERVE_PORT": str(port),
+        "RISKSERVE_METRICS_PORT": str(free_port()),
+    }
+    if name == "riskserve-nobatch":
+        env["RISKSERVE_MAX_BATCH_SIZE"] = "1"
+    else:
+        env["RISKSERVE_MAX_BATCH_SIZE"] = str(knobs.max_batch_size)
+    return ServerSpec(
+        name=name,
+        argv=(str(RISKSERVE_BIN), "serve", "--port", str(port)),
+        grpc_port=port,
+        model_name="fraud-demo",
+        env=env,
+        cwd=REPO_ROOT,
+    )
+
+
+def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
+    """How to launch `name`; raises Skip when it cannot run on this checkout."""
+    if name.startswith("riskserve"):
+        return _riskserve_spec(name, onnx_path, knobs)
+    if name == "triton":
+        config = TritonConfig(
+            max_batch_size=knobs.max_batch_size,
+            max_queue_delay_microseconds=knobs.triton_queue_delay_us,
+            intra_op_num_threads=knobs.intra_op_threads,
+        )
+        return triton_spec(onnx_path, WORK_DIR / "triton", config, free_port())
+    if name == "mlserver":
+        config = MLServerConfig(
+            max_batch_size=knobs.max_batch_size,
+            max_batch_time_s=knobs.mlserver_batch_time_s,
+            intra_op_num_threads=knobs.intra_op_threads,
+        )
+        return mlserver_spec(onnx_path, WORK_DIR / "mlserver", config, free_port())
+    raise ValueError(f"unknown server {name!r}; known: {', '.join(ALL_SERVERS)}")
+
+
+def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs) -> dict:
+    """Starts, warms, sweeps and stops one server; returns its record for the JSON file."""
+    record: dict = {"server": name, "load_average_before": os.getloadavg()}
+    try:
+        spec = server_spec(name, onnx_path, knobs)
+    except (Skip, FileNotFoundError) as exc:
+        print(f"[{name}] skipped: {exc}")
+        return {**record, "skipped": str(exc), "points": []}
+    log_path = RESULTS_DIR / "logs" / f"{name}.log"
+    plan = LoadPlan(
+        target="",
+        model_name=spec.model_name,
+        history_len=args.history_len,
+        duration_s=args.duration_s,
+        max_requests=args.max_requests,
+        timeout_s=args.timeout_s,
+        client_procs=args.client_procs,
+    )
+    client = args.client
+    if client == "perf_analyzer" and not spec.supports_model_config:
+        print(f"[{name}] has no ModelConfig RPC, which perf_analyzer needs: using loadgen")
+        client = "loadgen"
+    try:
+        with ServerProcess(spec, log_path) as server:
+            print(f"[{name}] ready on {server.target} after {server.startup_s:.1f} s")
+            plan = LoadPlan(**{**plan.__dict__, "target": server.target})
+            with LoadGenerator(plan, onnx_path, server_label=name) as generator:
+                score = generator.warm_up()
+                print(f"[{name}] warm; score of the benchmark request {float(score[0, 0]):.4f}")
+                if client == "perf_analyzer":
+                    points = _perf_sweep(name, server.target, args, onnx_path, spec.model_name)
+                else:
+                    points = generator.sweep(
+                        args.rates,
+                        args.concurrency,
+                        args.budget_ms,
+                        args.max_error_rate,
+                        args.stop_after_failures,
+                    )
+    except RuntimeError as exc:
+        print(f"[{name}] failed: {exc}")
+        return {**record, "skipped": str(exc), "points": []}
+    return {**record, "client": client, "points": [p.as_dict() for p in points]}
+
+
+def _perf_sweep(
+    name: str, target: str, args: argparse.Namespace, onnx_path: Path, model_name: str
+) -> list[PointResult]:
+    from bench.perf_analyzer import PerfAnalyzer, PerfPlan
+
+    windows = 3
+    plan = PerfPlan(
+        target=target,
+        model_name=model_name,
+        history_len=args.history_len,
+        window_s=args.duration_s / windows,
+        windows=windows,
+    )
+    with PerfAnalyzer(plan, onnx_path, server_label=name) as analyzer:
+        return analyzer.sweep(
+            args.rates,
+            args.concurrency,
+            args.budget_ms,
+            args.max_error_rate,
+            args.stop_after_failures,
+        )
+
+
+def _points(record: dict) -> list[PointResult]:
+    return [PointResult.from_dict(p) for p in record["points"]]
+
+
+def _p99_at(points: Sequence[PointResult], rate: float) -> float:
+    for point in points:
+        if point.mode == "rate" and point.load == rate:
+            return point.p99_ms
+    return math.nan
+
+
+def _common_rate(records: Sequence[dict], requested: float | None) -> float | None:
+    """The requested rate, else the highest rate every measured server was offered."""
+    if requested is not None:
+        return requested
+    offered = [{p.load for p in _points(r) if p.mode == "rate"} for r in records if r["points"]]
+    shared = set.intersection(*offered) if offered else set()
+    return max(shared) if shared else None
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a" if value is None or math.isnan(value) else "inf"
+    return f"{value:,.1f}{unit}" if unit != " req/s" else f"{value:,.0f}{unit}"
+
+
+def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
+    """Per-server headline figures and riskserve / peer ratios; printed and returned."""
+    common = _common_rate(records, args.common_rate)
+    rows = {}
+    for record in records:
+        if not record["points"]:
+            continue
+        points = _points(record)
+        best = best_rate_under_budget(points, args.budget_ms, args.max_error_rate)
+        rows[record["server"]] = {
+            "client": record.get("client"),
+            "max_rate_under_budget_rps": best.load if best else None,
+            "achieved_rps_at_that_rate": best.throughput_rps if best else None,
+            "p99_ms_at_that_rate": best.p99_ms if best else None,
+            "peak_throughput_rps": max(p.throughput_rps for p in points),
+            "p99_ms_at_common_rate": _p99_at(points, common) if common else math.nan,
+        }
+    print()
+    print(
+        f"budget: p99 <= {args.budget_ms:g} ms, errors <= {args.max_error_rate:.2%}; "
+        f"common rate {_fmt(common, ' req/s') if common else 'n/a'}"
+    )
+    header = (
+        f"{'server':<19} {'client':<13} {'max rate in budget':>19} {'p99 there':>10} "
+        f"{'peak got':>10} {'p99 @ common':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    for name, row in rows.items():
+        print(
+            f"{name:<19} {row['client'] or '':<13} "
+            f"{_fmt(row['max_rate_under_budget_rps'], ' req/s'):>19} "
+            f"{_fmt(row['p99_ms_at_that_rate'], ' ms'):>10} "
+            f"{_fmt(row['peak_throughput_rps'], ' req/s'):>10} "
+            f"{_fmt(row['p99_ms_at_common_rate'], ' ms'):>13}"
+        )
+    ratios = {}
+    for ours in ("riskserve", "riskserve-nobatch"):
+        for peer in ("triton", "mlserver"):
+            if ours not in rows or peer not in rows:
+                continue
+            a, b = rows[ours], rows[peer]
+            rate_ratio = (
+                a["max_rate_under_budget_rps"] / b["max_rate_under_budget_rps"]
+                if a["max_rate_under_budget_rps"] and b["max_rate_under_budget_rps"]
+                else None
+            )
+            p99_ratio = (
+                a["p99_ms_at_common_rate"] / b["p99_ms_at_common_rate"]
+                if math.isfinite(a["p99_ms_at_common_rate"] or math.nan)
+                and math.isfinite(b["p99_ms_at_common_rate"] or math.nan)
+                else None
+            )
+            ratios[f"{ours}/{peer}"] = {
+                "max_rate_under_budget": rate_ratio,
+                "p99_at_common_rate": p99_ratio,
+            }
+    if ratios:
+        print()
+        print("ratios riskserve / peer (max rate: higher is better; p99: lower is better)")
+        for key, value in ratios.items():
+            rate = (
+                f"{value['max_rate_under_budget']:.2f}x"
+                if value["max_rate_under_budget"]
+                else "n/a"
+            )
+            p99 = f"{value['p99_at_common_rate']:.2f}x" if value["p99_at_common_rate"] else "n/a"
+            print(f"  {key:<28} max rate {rate:>7}   p99 at common rate {p99:>7}")
+    else:
+        print("\nno riskserve / peer ratios: riskserve or every peer is missing from this run")
+    return {"common_rate_rps": common, "servers": rows, "ratios": ratios}
+
+
+def plot(records: Sequence[dict], args: argparse.Namespace, path: Path) -> Path | None:
+    """p99 (solid) and p50 (dotted) against achieved throughput, open-loop points, log scale."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed in this environment: no plot drawn")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for record in records:
+        points = sorted(
+            (p for p in _points(record) if p.mode == "rate" and math.isfinite(p.p99_ms)),
+            key=lambda p: p.load,
+        )
+        if not points:
+            continue
+        x = [p.throughput_rps for p in points]
+        (line,) = ax.plot(
+            x, [p.p99_ms for p in points], marker="o", label=f"{record['server']} p99"
+        )
+        ax.plot(
+            x,
+            [p.p50_ms for p in points],
+            linestyle=":",
+            color=line.get_color(),
+            label=f"{record['server']} p50",
+        )
+    ax.axhline(args.budget_ms, color="grey", linestyle="--", linewidth=1, label="p99 budget")
+    ax.set_yscale("log")
+    ax.set_xlabel("achieved throughput (req/s), open-loop Poisson load")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(
+        f"OIP ModelInfer, batch 1, history {args.history_len} rows, {os.cpu_count()} cores"
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", default=",".join(ALL_SERVERS), help="comma-separated")
+    parser.add_argument("--client", choices=("loadgen", "perf_analyzer"), default="loadgen")
+    parser.add_argument("--model", type=Path, default=None, help="ONNX file (default: demo model)")
+    parser.add_argument("--rates", type=_floats, default=[250, 500, 1000, 1500, 2000, 3000])
+    parser.add_argument("--concurrency", type=_ints, default=[1, 8])
+    parser.add_argument("--duration-s", type=float, default=5.0, help="per load point")
+    parser.add_argument("--max-requests", type=int, default=50_000, help="per load point")
+    parser.add_argument("--history-len", type=int, default=32)
+    parser.add_argument("--client-procs", type=int, default=1, help="loadgen processes")
+    parser.add_argument("--timeout-s", type=float, default=1.0, help="per-request deadline")
+    parser.add_argument("--budget-ms", type=float, default=10.0)
+    parser.add_argument("--max-error-rate", type=float, default=0.001)
+    parser.add_argument(
+        "--stop-after-failures",
+        type=int,
+        default=2,
+        help="end a rate sweep after this many points over budget (0: never)",
+    )
+    parser.add_argument(
+        "--common-rate",
+        type=float,
+        default=None,
+        help="rate for the p99 ratio (default: highest rate all were offered)",
+    )
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--triton-queue-delay-us", type=int, default=200)
+    parser.add_argument("--mlserver-batch-time-s", type=float, default=0.0005)
+    parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument("--tag", default="", help="added to the result file names")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = [s.strip() for s in args.servers.split(",") if s.strip()]
+    onnx_path = resolve_model_path(args.model)
+    knobs = Knobs(
+        args.max_batch_size,
+        args.triton_queue_delay_us,
+        args.mlserver_batch_time_s,
+        args.intra_op_threads,
+    )
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{args.tag}" if args.tag else "")
+    model_label = (
+        onnx_path.relative_to(REPO_ROOT) if onnx_path.is_relative_to(REPO_ROOT) else onnx_path
+    )
+    print(
+        f"model {model_label}; history {args.history_len} rows; client {args.client}; "
+        f"{os.cpu_count()} CPU cores shared by client and server; "
+        f"load average now {', '.join(f'{x:.2f}' for x in os.getloadavg())}"
+    )
+    records = []
+    for name in names:
+        records.append(_run_one(name, args, onnx_path, knobs))
+        time.sleep(1.0)
+    summary = summarize(records, args)
+    out = {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "gpu": shutil.which("nvidia-smi") is not None,
+        },
+        "model": str(model_label),
+        "settings": {k: v for k, v in vars(args).items()},
+        "summary": summary,
+        "records": records,
+    }
+    json_path = RESULTS_DIR / f"compare-{stamp}.json"
+    json_path.write_text(json.dumps(out, indent=2, default=str))
+    png = plot(records, args, RESULTS_DIR / f"compare-{stamp}.png")
+    print(
+        f"\nwrote {json_path.relative_to(REPO_ROOT)}"
+        + (f" and {png.relative_to(REPO_ROOT)}" if png else "")
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
