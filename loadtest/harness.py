@@ -37,12 +37,26 @@ _MIB = 1024 * 1024
 _EDGE_SAMPLES = 3  # the baseline and the end are medians of this many samples
 
 
+def _channel(target: str, tls_ca: str) -> grpc.Channel:
+    """A channel to a locust-style host: host:port, grpc://, grpcs:// or dns:///."""
+    tls = bool(tls_ca) or target.startswith("grpcs://")
+    for scheme in ("grpcs://", "grpc://"):
+        target = target.removeprefix(scheme)
+    if not tls:
+        return grpc.insecure_channel(target)
+    roots = Path(tls_ca).read_bytes() if tls_ca else None
+    return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
+
+
 def wait_until_serving(
-    target: str, timeout_s: float, server: subprocess.Popen[bytes] | None = None
+    target: str,
+    timeout_s: float,
+    server: subprocess.Popen[bytes] | None = None,
+    tls_ca: str = "",
 ) -> bool:
     """Poll grpc.health.v1.Health/Check until SERVING; give up early if the server exits."""
     deadline_s = time.monotonic() + timeout_s
-    with grpc.insecure_channel(target) as channel:
+    with _channel(target, tls_ca) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline_s:
             if server is not None and server.poll() is not None:
@@ -136,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
                 shlex.split(args.server), stdout=log, stderr=subprocess.STDOUT
             )
     try:
-        if not wait_until_serving(args.target, args.startup_timeout_s, server):
+        if not wait_until_serving(args.target, args.startup_timeout_s, server, args.tls_ca):
             print(f"harness: {args.target} never became SERVING; see {args.server_log}")
             return 2
         return _drive(args, command, server)
@@ -186,9 +200,11 @@ def _parser() -> argparse.ArgumentParser:
     wait = sub.add_parser("wait", help="wait until the gRPC health service answers SERVING")
     wait.add_argument("--target", default=DEFAULT_TARGET)
     wait.add_argument("--timeout-s", type=float, default=60.0)
+    wait.add_argument("--tls-ca", default="", help="PEM roots: health-check over TLS")
 
     run = sub.add_parser("run", help="run a command against a (started) server")
     run.add_argument("--target", default=DEFAULT_TARGET, help="host:port to health-check")
+    run.add_argument("--tls-ca", default="", help="PEM roots: health-check over TLS")
     run.add_argument("--server", default="", help="server command line; empty: already running")
     run.add_argument("--server-log", default="loadtest/reports/server.log")
     run.add_argument("--startup-timeout-s", type=float, default=120.0)
@@ -205,7 +221,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.action == "wait":
-        ok = wait_until_serving(args.target, args.timeout_s)
+        ok = wait_until_serving(args.target, args.timeout_s, tls_ca=args.tls_ca)
         print(f"{args.target}: {'SERVING' if ok else 'not serving'}")
         return 0 if ok else 2
     return _run(args)

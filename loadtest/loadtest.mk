@@ -19,6 +19,8 @@ LOADTEST_SPAWN_RATE ?= $(LOADTEST_USERS)
 LOADTEST_RPS_PER_USER ?= 10
 LOADTEST_TIME ?= 60s
 LOADTEST_DEADLINE_MS ?= 0
+# A PEM file of root certificates: talk TLS to LOADTEST_HOST (a grpcs:// host uses system roots).
+LOADTEST_TLS_CA ?=
 LOADTEST_REPORTS ?= loadtest/reports
 LOADTEST_NAME ?= run
 
@@ -31,13 +33,14 @@ SOAK_MAX_RSS_GROWTH_MIB ?= 64
 SOAK_MAX_FD_GROWTH ?= 16
 
 LOADTEST_LOCUST_ARGS = -f loadtest/locustfile.py --headless --host $(LOADTEST_HOST) \
-	--deadline-ms $(LOADTEST_DEADLINE_MS) --exit-code-on-error 1 --only-summary
+	--deadline-ms $(LOADTEST_DEADLINE_MS) --tls-ca "$(LOADTEST_TLS_CA)" \
+	--exit-code-on-error 1 --only-summary
 
 .PHONY: loadtest soak
 
 loadtest:
 	@mkdir -p $(LOADTEST_REPORTS)
-	$(LOADTEST_PYTHON) loadtest/harness.py run --target $(LOADTEST_HOST) \
+	$(LOADTEST_PYTHON) loadtest/harness.py run --target $(LOADTEST_HOST) --tls-ca "$(LOADTEST_TLS_CA)" \
 		--server "$(LOADTEST_SERVER)" --server-log $(LOADTEST_REPORTS)/server.log -- \
 		$(LOADTEST_LOCUST) $(LOADTEST_LOCUST_ARGS) \
 		-u $(LOADTEST_USERS) -r $(LOADTEST_SPAWN_RATE) --rps-per-user $(LOADTEST_RPS_PER_USER) \

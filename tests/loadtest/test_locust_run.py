@@ -131,6 +131,9 @@ def test_locust_mix_against_riskserve(tmp_path: Path) -> None:
         **os.environ,
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_METRICS_PORT": str(_free_port()),
+        # This checks the traffic mix and its accounting, not latency: on a small shared
+        # machine the default 10 ms budget sheds some requests (DEADLINE_EXCEEDED) by design.
+        "RISKSERVE_BUDGET_MS": "1000",
     }
     command = [
         sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
