@@ -1,0 +1,188 @@
+"""Tracing end to end: a real grpc.aio server, the interceptor, tail sampling, OTLP receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import grpc
+import pytest
+from opentelemetry import trace
+from telemetry_echo import call, echo_server
+
+from service.telemetry import SAMPLED_REASON_ATTRIBUTE, TelemetryConfig, setup_telemetry
+
+OTLP_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
+OTLP_SERVER_KIND = 2  # SPAN_KIND_SERVER
+CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CALLER_SPAN_ID = "b7ad6b7169203331"
+
+
+def _config(**overrides) -> TelemetryConfig:
+    values = {
+        "service_name": "riskserve-test",
+        "budget_ms": 10.0,
+        "trace_slow_ms": 30.0,
+        "trace_sample_ratio": 0.0,
+        "metrics_port": None,
+        "stats_interval_s": None,
+    }
+    values.update(overrides)
+    return TelemetryConfig(**values)
+
+
+def _run(telemetry, requests, metadata=()):
+    async def scenario():
+        async with echo_server(telemetry) as stub:
+            return [await call(stub, request, metadata) for request in requests]
+
+    try:
+        return asyncio.run(scenario())
+    finally:
+        telemetry.shutdown()
+
+
+def test_slow_and_failing_requests_arrive_with_their_span_tree(otlp_env):
+    telemetry = setup_telemetry(_config())
+    codes = _run(telemetry, [b"sleep:1", b"sleep:50", b"abort", b"raise", b"sleep:0"])
+    assert codes == [
+        grpc.StatusCode.OK,
+        grpc.StatusCode.OK,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.OK,
+    ]
+    traces = otlp_env.traces()
+    # Only the slow one and the two failures: ratio 0 drops the fast OK calls.
+    assert len(traces) == 3
+    reasons = [
+        span.attributes[SAMPLED_REASON_ATTRIBUTE]
+        for spans in traces.values()
+        for span in spans
+        if span.parent_span_id == ""
+    ]
+    assert sorted(reasons) == ["error", "error", "slow"]
+    slow_spans = next(spans for spans in traces.values() if len(spans) == 2)
+    root = next(s for s in slow_spans if s.parent_span_id == "")
+    child = next(s for s in slow_spans if s.parent_span_id != "")
+    assert child.parent_span_id == root.span_id
+    assert child.name == "work"
+    assert root.duration_ms >= 30.0
+    assert root.kind == OTLP_SERVER_KIND
+    assert root.name == "test.Echo/Call"
+    assert root.service_name == "riskserve-test"
+    assert root.attributes["rpc.system"] == "grpc"
+    assert root.attributes["rpc.service"] == "test.Echo"
+    assert root.attributes["rpc.method"] == "Call"
+    assert root.attributes["rpc.grpc.status_code"] == 0
+    assert root.attributes["test.command"] == "sleep"
+    assert root.attributes[SAMPLED_REASON_ATTRIBUTE] == "slow"
+
+    failed = [s for spans in traces.values() for s in spans if s.status_code == OTLP_ERROR]
+    assert sorted(s.attributes["rpc.grpc.status_code"] for s in failed) == [2, 5]
+    assert {s.attributes[SAMPLED_REASON_ATTRIBUTE] for s in failed} == {"error"}
+
+
+def test_fast_requests_follow_the_ratio_at_its_ends(otlp_env):
+    keep_all = setup_telemetry(_config(trace_sample_ratio=1.0))
+    _run(keep_all, [b"sleep:0"] * 20)
+    roots = [s for s in otlp_env.spans if s.parent_span_id == ""]
+    assert len(roots) == 20
+    assert {s.attributes[SAMPLED_REASON_ATTRIBUTE] for s in roots} == {"ratio"}
+    assert len(otlp_env.spans) == 40  # each with its child span
+
+    keep_none = setup_telemetry(_config(trace_sample_ratio=0.0))
+    stats_before = len(otlp_env.spans)
+    _run(keep_none, [b"sleep:0"] * 20)
+    assert len(otlp_env.spans) == stats_before
+    assert keep_none.tail_sampler is not None
+    assert keep_none.tail_sampler.stats().dropped_traces == 20
+    assert keep_none.tail_sampler.stats().open_traces == 0
+
+
+def test_caller_sampled_traceparent_is_kept_and_continued(otlp_env):
+    telemetry = setup_telemetry(_config())
+    sampled = [("traceparent", f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01")]
+    unsampled = [("traceparent", f"00-{'1' * 32}-{CALLER_SPAN_ID}-00")]
+
+    async def scenario():
+        async with echo_server(telemetry) as stub:
+            await call(stub, b"sleep:0", sampled)
+            await call(stub, b"sleep:0", unsampled)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        telemetry.shutdown()
+    traces = otlp_env.traces()
+    assert list(traces) == [CALLER_TRACE_ID]
+    root = next(s for s in traces[CALLER_TRACE_ID] if s.name == "test.Echo/Call")
+    assert root.parent_span_id == CALLER_SPAN_ID
+    assert root.attributes[SAMPLED_REASON_ATTRIBUTE] == "parent"
+    assert len(traces[CALLER_TRACE_ID]) == 2
+
+
+def test_export_all_sends_every_span(otlp_env):
+    telemetry = setup_telemetry(_config(trace_export_all=True))
+    _run(telemetry, [b"sleep:0"] * 5)
+    assert telemetry.tail_sampler is None
+    assert len(otlp_env.spans) == 10
+    assert all(SAMPLED_REASON_ATTRIBUTE not in s.attributes for s in otlp_env.spans)
+
+
+def test_file_exporter_is_the_default_and_writes_json_lines(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    trace_file = tmp_path / "traces" / "spans.jsonl"
+    telemetry = setup_telemetry(_config(trace_file=trace_file))
+    _run(telemetry, [b"sleep:50", b"abort", b"sleep:0"])
+    records = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert len(records) == 3  # slow root + its child, the aborted root
+    by_name = {}
+    for record in records:
+        by_name.setdefault(record["name"], []).append(record)
+    child = by_name["work"][0]
+    slow_root = next(
+        r for r in by_name["test.Echo/Call"] if r["span_id"] == child["parent_span_id"]
+    )
+    assert slow_root["trace_id"] == child["trace_id"]
+    assert len(slow_root["trace_id"]) == 32
+    assert slow_root["kind"] == "SERVER"
+    assert slow_root["duration_ms"] >= 30.0
+    assert slow_root["end_unix_ns"] > slow_root["start_unix_ns"]
+    assert slow_root["attributes"]["riskserve.sampled_reason"] == "slow"
+    assert slow_root["status"]["code"] == "UNSET"
+    assert child["events"][0]["name"] == "sleeping"
+    assert child["events"][0]["attributes"] == {"ms": 50.0}
+    aborted = next(r for r in by_name["test.Echo/Call"] if r["status"]["code"] == "ERROR")
+    assert aborted["status"]["description"] == "NOT_FOUND"
+    assert aborted["attributes"]["rpc.grpc.status_code"] == 5
+    assert aborted["parent_span_id"] is None
+    assert slow_root["service_name"] == "riskserve-test"
+
+
+def test_none_exporter_exports_nothing_and_setup_leaves_globals_alone(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    global_provider = trace.get_tracer_provider()
+    first = setup_telemetry(_config())
+    second = setup_telemetry(_config())
+    try:
+        assert trace.get_tracer_provider() is global_provider
+        assert first.tracer_provider is not second.tracer_provider
+    finally:
+        first.shutdown()
+        second.shutdown()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_otlp_protocol_variable_picks_the_exporter(monkeypatch, protocol):
+    from service.telemetry.exporters import span_exporters_from_environment
+
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", protocol)
+    (exporter,) = span_exporters_from_environment(None)
+    try:
+        expected = "grpc" if protocol == "grpc" else "http"
+        assert f".proto.{expected}." in type(exporter).__module__
+    finally:
+        exporter.shutdown()
