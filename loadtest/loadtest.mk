@@ -7,7 +7,9 @@
 #
 # The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second. With
 # LOADTEST_SERVER empty no server is started and LOADTEST_HOST must already be serving.
-# Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples).
+# Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples). The CSV is
+# written once a second, so its last second may be missing; the printed summary and the
+# HTML report are the final tally.
 
 LOADTEST_PYTHON ?= .venv/bin/python
 LOADTEST_LOCUST ?= .venv/bin/locust
