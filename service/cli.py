@@ -79,6 +79,63 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _held_out(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str, Any], Any]:
+    """Validation data: an npz of model inputs plus `labels`, else the demo generator's."""
+    import numpy as np
+
+    if args.data is not None:
+        with np.load(args.data) as arrays:
+            data = {k: arrays[k] for k in arrays.files}
+        return {k: v for k, v in data.items() if k != "labels"}, data["labels"]
+    from demo.generator import generate, model_inputs
+
+    held_out = generate(args.rows, seed=args.seed)
+    return model_inputs(held_out), held_out.labels
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from engines.validation import validate_model, write_report
+
+    model_dir: Path = args.model_dir
+    inputs, labels = _held_out(args, model_dir)
+    report = validate_model(model_dir, inputs, labels)
+    print(report.to_table())
+    if args.json is not None:
+        args.json.write_text(report.to_json() + "\n")
+    path = write_report(model_dir, report)
+    print(f"wrote {path}")
+    failed = [v.precision for v in report.variants if not v.passes(report.tolerance)]
+    if failed:
+        print(f"refused (outside the manifest's tolerance): {', '.join(failed)}")
+    return 0
+
+
+def _build_engines(args: argparse.Namespace) -> int:
+    from engines.base import EngineUnavailable
+    from engines.trt import build_engines
+
+    try:
+        plans = build_engines(
+            args.model_dir,
+            tuple(args.precision),
+            contexts=args.contexts,
+            workspace_bytes=args.workspace_mib * 1024 * 1024,
+            rebuild=args.rebuild,
+        )
+    except EngineUnavailable as exc:
+        print(f"riskserve build-engines: {exc}", file=sys.stderr)
+        return 2
+    for plan in plans:
+        print(plan)
+    return 0
+
+
+def _shadow_report(args: argparse.Namespace) -> int:
+    from service.shadow import run_shadow_report
+
+    return run_shadow_report(args)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="riskserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -89,6 +146,30 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="gRPC port, 0 for any (RISKSERVE_PORT)")
     serve.add_argument("--models-dir", type=Path, help="models root (RISKSERVE_MODELS_DIR)")
     serve.set_defaults(run=_serve)
+
+    validate = sub.add_parser(
+        "validate", help="compare FP16 and INT8 variants with FP32 on held-out data"
+    )
+    validate.add_argument("model_dir", type=Path, help="models/<name>/<version>")
+    validate.add_argument("--data", type=Path, help="npz of model inputs and `labels`")
+    validate.add_argument("--rows", type=int, default=20000, help="generated rows (demo model)")
+    validate.add_argument("--seed", type=int, default=31337, help="generator seed (demo model)")
+    validate.add_argument("--json", type=Path, help="also write the report here")
+    validate.set_defaults(run=_validate)
+
+    build = sub.add_parser("build-engines", help="build TensorRT plans (needs TensorRT and a GPU)")
+    build.add_argument("model_dir", type=Path, help="models/<name>/<version>")
+    build.add_argument("--precision", action="append", choices=("fp32", "fp16", "int8"))
+    build.add_argument("--contexts", type=int, default=2, help="profiles: concurrent contexts")
+    build.add_argument("--workspace-mib", type=int, default=1024)
+    build.add_argument("--rebuild", action="store_true", help="rebuild current plans too")
+    build.set_defaults(run=_build_engines, precision=None)
+
+    from service.shadow import configure_parser
+
+    report = sub.add_parser("shadow-report", help="compare champion and challenger logs")
+    configure_parser(report)
+    report.set_defaults(run=_shadow_report)
 
     for name, run, text in (
         ("score", _score, "score a JSON request (a ScoreRequest, or a list for ScoreBatch)"),

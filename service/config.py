@@ -68,6 +68,10 @@ class Settings(BaseSettings):
     processes: int = Field(
         1, ge=1, description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port."
     )
+    tensorrt: bool = Field(True, description="Load validated TensorRT plans where TensorRT runs.")
+    onnx_variants: bool = Field(
+        True, description="Offer validated FP16/INT8 ONNX variants; the fastest measured serves."
+    )
     engine_threads: int = Field(1, ge=1, description="Intra-op threads of each ONNX Runtime run.")
     degrade_on_deadline: bool = Field(
         False, description="Answer late requests with the fallback decision instead of failing."
@@ -81,6 +85,16 @@ class Settings(BaseSettings):
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain for TLS.")
     tls_key_file: Path | None = Field(None, description="PEM private key for TLS.")
     tls_client_ca_file: Path | None = Field(None, description="CA bundle; set to require mTLS.")
+    experiments_file: Path | None = Field(
+        None, description="JSON champion/challenger config; re-read when it changes."
+    )
+    shadow_log_prefix: str = Field(
+        "shadow-logs", description="Folder or s3:// URI under which experiment logs are written."
+    )
+    shadow_max_queued_jobs: int = Field(1024, ge=1, description="Shadow jobs queued before drops.")
+    shadow_flush_interval_s: float = Field(
+        1.0, gt=0, description="Experiment log files are written at least this often."
+    )
     trace_slow_ms: float | None = Field(
         None, gt=0, description="Traces at least this slow are always kept (default: budget / 2)."
     )

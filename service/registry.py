@@ -18,10 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.base import Engine, EngineError
+from engines.base import Engine, EngineError, EngineUnavailable
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
 from engines.pool import EnginePool
+from engines.trt import load_engines
+from engines.validation import accepted_variants
 from service.batcher import BatchOutcome, EngineTimeModel, MicroBatcher
 from service.codec import RowBatch
 from service.errors import ModelNotFound, ScoringFailed, Unavailable
@@ -71,8 +73,12 @@ class ModelVersion:
         return run_on_pool(self.manifest, self.pool, rows)
 
     def engines(self) -> Iterator[Engine]:
-        yield from self.pool.engines
-        yield self.pool.fallback
+        """Every engine of the pool in the order tried, the fallback last, each once."""
+        seen = set()
+        for engine in (*self.pool.engines, self.pool.fallback):
+            if id(engine) not in seen:
+                seen.add(id(engine))
+                yield engine
 
 
 def model_feed(manifest: Manifest, rows: RowBatch) -> dict[str, np.ndarray]:
@@ -100,14 +106,41 @@ def run_on_pool(manifest: Manifest, pool: EnginePool, rows: RowBatch) -> BatchOu
 EngineFactory = Callable[[Path, Manifest], tuple[list[Engine], Engine]]
 
 
-def onnxruntime_engines(intra_op_threads: int, max_concurrency: int) -> EngineFactory:
-    """The embedded default: ONNX Runtime for fp32, which is also the fallback."""
+def default_engines(
+    intra_op_threads: int, max_concurrency: int, *, tensorrt: bool, onnx_variants: bool
+) -> EngineFactory:
+    """TensorRT plans where TensorRT runs, validated ONNX variants, and ONNX Runtime FP32.
+
+    FP32 on ONNX Runtime is both a candidate and the fallback that takes any shape. Only
+    variants that `accepted_variants` passes (the manifest's tolerance) are ever loaded.
+    """
 
     def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
+        accepted = accepted_variants(path, manifest=manifest)
         fallback = OnnxRuntimeEngine.from_model_dir(
             path, manifest, intra_op_threads=intra_op_threads, max_concurrency=max_concurrency
         )
-        return [], fallback
+        engines: list[Engine] = []
+        if tensorrt and len(accepted) > 1:
+            try:
+                engines += load_engines(path, accepted)
+            except EngineUnavailable as exc:
+                log.info("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
+        if onnx_variants:
+            for precision in accepted:
+                if precision != "fp32":
+                    engines.append(
+                        OnnxRuntimeEngine.from_model_dir(
+                            path,
+                            manifest,
+                            precision=precision,
+                            intra_op_threads=intra_op_threads,
+                            max_concurrency=max_concurrency,
+                        )
+                    )
+        if engines:
+            engines.append(fallback)
+        return engines, fallback
 
     return build
 
@@ -238,6 +271,10 @@ class ModelRegistry:
             degrade_on_deadline=self._degrade,
         )
         model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
+        if len(pool.engines) > 1:
+            sample = model_feed(manifest, _warmup_rows(manifest, 1, _TYPICAL_HISTORY))
+            report = pool.calibrate(sample, sorted({1, 8, max_rows}))
+            log.info("%s/%s engines by speed: %s", manifest.name, manifest.version, report.order)
         self._warm(model, time_model, max_rows)
         log.info(
             "loaded %s/%s from %s: engines %s, fallback %s, batch <= %d, %d workers",
@@ -254,7 +291,7 @@ class ModelRegistry:
     def _warm(self, model: ModelVersion, time_model: EngineTimeModel, max_rows: int) -> None:
         """Run each power-of-two batch size to seed the engine-time model."""
         manifest = model.manifest
-        length = min(32, manifest.history.max_length) if manifest.history else 0
+        length = min(_TYPICAL_HISTORY, manifest.history.max_length) if manifest.history else 0
         sizes = sorted(
             {1, max_rows, *(2**k for k in range(max_rows.bit_length()) if 2**k <= max_rows)}
         )
@@ -263,6 +300,9 @@ class ModelRegistry:
                 batch = _warmup_rows(manifest, rows, length)
                 outcome = model.run_batch(batch)
                 time_model.observe(rows, length, outcome.engine_s)
+
+
+_TYPICAL_HISTORY = 32
 
 
 def _warmup_rows(manifest: Manifest, rows: int, length: int) -> RowBatch:

@@ -17,9 +17,10 @@ from grpc_reflection.v1alpha import reflection
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from service.config import Settings
+from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
-from service.registry import EngineFactory, ModelRegistry, onnxruntime_engines
+from service.registry import EngineFactory, ModelRegistry, default_engines
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -49,6 +50,7 @@ class RiskServer:
     oip: InferenceServicer
     executor: ThreadPoolExecutor
     settings: Settings
+    experiments: Experiments | None = None
 
     async def stop(self) -> None:
         """Refuse new work, let queued and in-flight requests finish, then stop."""
@@ -57,6 +59,9 @@ class RiskServer:
         await self.health.enter_graceful_shutdown()
         # The server stops taking calls and waits for those in flight, which need the batchers.
         await self.server.stop(grace_s)
+        if self.experiments is not None:
+            # Shadow jobs still need the challengers' batchers; the log flushes last.
+            await self.experiments.close(grace_s)
         await self.registry.close(grace_s)
         self.executor.shutdown(wait=True, cancel_futures=False)
         log.info("stopped")
@@ -83,7 +88,12 @@ async def build_server(
     workers = settings.engine_workers or 2
     executor = ThreadPoolExecutor(max_workers=max(workers * 2, 2), thread_name_prefix="engine")
     if engine_factory is None:
-        engine_factory = onnxruntime_engines(settings.engine_threads, max_concurrency=workers)
+        engine_factory = default_engines(
+            settings.engine_threads,
+            max_concurrency=workers,
+            tensorrt=settings.tensorrt,
+            onnx_variants=settings.onnx_variants,
+        )
     registry = ModelRegistry(
         executor,
         engine_factory,
@@ -95,6 +105,16 @@ async def build_server(
         degrade_on_deadline=settings.degrade_on_deadline,
     )
     await registry.load_dir(settings.models_dir)
+    experiments = None
+    if settings.experiments_file is not None:
+        experiments = Experiments(
+            registry,
+            settings.experiments_file,
+            settings.shadow_log_prefix,
+            max_queued_jobs=settings.shadow_max_queued_jobs,
+            flush_interval_s=settings.shadow_flush_interval_s,
+        )
+        experiments.start()
 
     options = [
         ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -103,7 +123,9 @@ async def build_server(
     ]
     server = grpc.aio.server(options=options)
     oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version())
-    risk_servicer = RiskScoringServicer(registry, settings.default_model, settings.budget_s)
+    risk_servicer = RiskScoringServicer(
+        registry, settings.default_model, settings.budget_s, experiments
+    )
     server.add_generic_rpc_handlers(
         (
             generic_handler(risk_servicer, pb.DESCRIPTOR.services_by_name["RiskScoring"]),
@@ -126,7 +148,9 @@ async def build_server(
     for name in ["", *SERVICE_NAMES]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d", registry.names(), settings.host, port)
-    return RiskServer(server, port, registry, health_servicer, oip_servicer, executor, settings)
+    return RiskServer(
+        server, port, registry, health_servicer, oip_servicer, executor, settings, experiments
+    )
 
 
 def serve_processes(settings: Settings) -> int:

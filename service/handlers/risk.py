@@ -11,6 +11,7 @@ from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batcher import Scored
 from service.codec import DECISIONS, decode_score_batch, decode_score_request
+from service.experiments import Experiments
 from service.handlers.boundary import deadline_for, rpc_boundary
 from service.registry import ModelRegistry, ModelVersion
 
@@ -18,10 +19,17 @@ __all__ = ["RiskScoringServicer"]
 
 
 class RiskScoringServicer(pb_grpc.RiskScoringServicer):
-    def __init__(self, registry: ModelRegistry, default_model: str, budget_s: float) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        default_model: str,
+        budget_s: float,
+        experiments: Experiments | None = None,
+    ) -> None:
         self._registry = registry
         self._default_model = default_model
         self._budget_s = budget_s
+        self._experiments = experiments
 
     def _model(self, name: str, version: str) -> ModelVersion:
         return self._registry.get(name or self._default_model, version)
@@ -31,9 +39,25 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreResponse:
         started = time.perf_counter()
-        model = self._model(request.model, request.model_version)
+        name = request.model or self._default_model
+        version = request.model_version
+        route = None
+        if self._experiments is not None and not version:
+            route = self._experiments.route(name, request.entity_id)
+            version = route.serving_version or ""
+        model = self._model(name, version)
         rows = decode_score_request(request, model.manifest)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        if route is not None:
+            self._experiments.record(  # type: ignore[union-attr]
+                route,
+                model,
+                (request.request_id,),
+                (request.entity_id,),
+                rows,
+                scored,
+                time.perf_counter() - started,
+            )
         return _response(request.request_id, model, scored, 0, started)
 
     @rpc_boundary
@@ -44,6 +68,19 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         model = self._model(request.model, request.model_version)
         rows = decode_score_batch(request, model.manifest)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        if self._experiments is not None and not request.model_version:
+            # A batch is served by the champion as a whole; shadow mode copies all of it.
+            route = self._experiments.route(model.name, request.requests[0].entity_id)
+            if route.mode == "shadow" and route.serving_version in (None, model.version):
+                self._experiments.record(
+                    route,
+                    model,
+                    tuple(r.request_id for r in request.requests),
+                    tuple(r.entity_id for r in request.requests),
+                    rows,
+                    scored,
+                    time.perf_counter() - started,
+                )
         return pb.ScoreBatchResponse(
             responses=[
                 _response(item.request_id, model, scored, i, started)

@@ -19,7 +19,7 @@ from service.config import Settings
 from service.registry import EngineFactory
 from service.server import RiskServer, build_server
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class LiveServer:
@@ -103,6 +103,8 @@ def server_process(models_dir: Path, **env: str) -> Iterator[tuple[subprocess.Po
             break
     if target is None:
         proc.kill()
+        proc.wait(timeout=10)
+        proc.stdout.close()
         raise RuntimeError("server did not start:\n" + "".join(lines))
     drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
     drain.start()
@@ -115,3 +117,6 @@ def server_process(models_dir: Path, **env: str) -> Iterator[tuple[subprocess.Po
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait(timeout=10)
+        drain.join(timeout=10)
+        proc.stdout.close()
