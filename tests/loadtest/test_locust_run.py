@@ -120,15 +120,27 @@ def test_invalid_requests_answered_ok_are_failures(tmp_path: Path) -> None:
     assert status == 1
 
 
+def _small_sequence_model(root: Path) -> dict[str, str]:
+    """Without the demo model, serve the test suite's small sequence model instead."""
+    try:
+        from modelkit import write_sequence_model  # tests/support, on sys.path via conftest
+    except ImportError:
+        pytest.skip("no model under models/ (python -m demo.train writes the demo model)")
+    folder = write_sequence_model(root, max_length=256)
+    return {"RISKSERVE_MODELS_DIR": str(root), "RISKSERVE_DEFAULT_MODEL": folder.parent.name}
+
+
 def test_locust_mix_against_riskserve(tmp_path: Path) -> None:
     if importlib.util.find_spec("service.cli") is None:
         pytest.skip("service.cli (the `riskserve serve` command) does not exist yet")
     models_dir = Path(os.environ.get("RISKSERVE_MODELS_DIR", REPO / "models"))
+    extra: dict[str, str] = {}
     if not any(models_dir.glob("*/*/manifest.json")):
-        pytest.skip(f"no model under {models_dir} (python -m demo.train writes the demo model)")
+        extra = _small_sequence_model(tmp_path / "models")
     port = _free_port()
     env = {
         **os.environ,
+        **extra,
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_METRICS_PORT": str(_free_port()),
         # This checks the traffic mix and its accounting, not latency: on a small shared
