@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,7 +147,9 @@ def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs)
                 score = generator.warm_up()
                 print(f"[{name}] warm; score of the benchmark request {float(score[0, 0]):.4f}")
                 if client == "perf_analyzer":
-                    points = _perf_sweep(name, server.target, args, onnx_path, spec.model_name)
+                    points = _perf_sweep(
+                        name, server.target, args, onnx_path, spec.model_name, server.cpu_seconds
+                    )
                 else:
                     points = generator.sweep(
                         args.rates,
@@ -155,6 +157,7 @@ def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs)
                         args.budget_ms,
                         args.max_error_rate,
                         args.stop_after_failures,
+                        server_cpu=server.cpu_seconds,
                     )
     except RuntimeError as exc:
         print(f"[{name}] failed: {exc}")
@@ -163,7 +166,12 @@ def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs)
 
 
 def _perf_sweep(
-    name: str, target: str, args: argparse.Namespace, onnx_path: Path, model_name: str
+    name: str,
+    target: str,
+    args: argparse.Namespace,
+    onnx_path: Path,
+    model_name: str,
+    server_cpu: Callable[[], float],
 ) -> list[PointResult]:
     from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 
@@ -182,6 +190,7 @@ def _perf_sweep(
             args.budget_ms,
             args.max_error_rate,
             args.stop_after_failures,
+            server_cpu=server_cpu,
         )
 
 
@@ -189,11 +198,14 @@ def _points(record: dict) -> list[PointResult]:
     return [PointResult.from_dict(p) for p in record["points"]]
 
 
-def _p99_at(points: Sequence[PointResult], rate: float) -> float:
-    for point in points:
-        if point.mode == "rate" and point.load == rate:
-            return point.p99_ms
-    return math.nan
+def _at_rate(points: Sequence[PointResult], rate: float) -> PointResult | None:
+    return next((p for p in points if p.mode == "rate" and p.load == rate), None)
+
+
+def _cpu_ms_per_ok(point: PointResult | None) -> float:
+    if point is None or not point.ok or not math.isfinite(point.server_cpu_s):
+        return math.nan
+    return point.server_cpu_s * 1e3 / point.ok
 
 
 def _common_rate(records: Sequence[dict], requested: float | None) -> float | None:
@@ -211,6 +223,10 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return f"{value:,.1f}{unit}" if unit != " req/s" else f"{value:,.0f}{unit}"
 
 
+def _fmt3(value: float) -> str:
+    return f"{value:.3f}" if math.isfinite(value) else "n/a"
+
+
 def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
     """Per-server headline figures and riskserve / peer ratios; printed and returned."""
     common = _common_rate(records, args.common_rate)
@@ -220,13 +236,15 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             continue
         points = _points(record)
         best = best_rate_under_budget(points, args.budget_ms, args.max_error_rate)
+        at_common = _at_rate(points, common) if common else None
         rows[record["server"]] = {
             "client": record.get("client"),
             "max_rate_under_budget_rps": best.load if best else None,
             "achieved_rps_at_that_rate": best.throughput_rps if best else None,
             "p99_ms_at_that_rate": best.p99_ms if best else None,
             "peak_throughput_rps": max(p.throughput_rps for p in points),
-            "p99_ms_at_common_rate": _p99_at(points, common) if common else math.nan,
+            "p99_ms_at_common_rate": at_common.p99_ms if at_common else math.nan,
+            "server_cpu_ms_per_req_at_common_rate": _cpu_ms_per_ok(at_common),
         }
     print()
     print(
@@ -235,7 +253,7 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
     )
     header = (
         f"{'server':<19} {'client':<13} {'max rate in budget':>19} {'p99 there':>10} "
-        f"{'peak got':>10} {'p99 @ common':>13}"
+        f"{'peak got':>10} {'p99 @ common':>13} {'srv CPU-ms/req @ common':>24}"
     )
     print(header)
     print("-" * len(header))
@@ -245,7 +263,8 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             f"{_fmt(row['max_rate_under_budget_rps'], ' req/s'):>19} "
             f"{_fmt(row['p99_ms_at_that_rate'], ' ms'):>10} "
             f"{_fmt(row['peak_throughput_rps'], ' req/s'):>10} "
-            f"{_fmt(row['p99_ms_at_common_rate'], ' ms'):>13}"
+            f"{_fmt(row['p99_ms_at_common_rate'], ' ms'):>13} "
+            f"{_fmt3(row['server_cpu_ms_per_req_at_common_rate']):>24}"
         )
     ratios = {}
     for ours in ("riskserve", "riskserve-nobatch"):

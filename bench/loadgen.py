@@ -23,9 +23,9 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -70,6 +70,7 @@ class _Share:
     error_codes: list[str]
     send_lag_s: list[float]
     last_done_s: float
+    cpu_s: float = 0.0
 
 
 async def _open_loop(
@@ -157,11 +158,15 @@ async def _closed_loop(
 
 
 def _run_open_share(*args) -> _Share:
-    return asyncio.run(_open_loop(*args))
+    started = time.process_time()
+    share = asyncio.run(_open_loop(*args))
+    return replace(share, cpu_s=time.process_time() - started)
 
 
 def _run_closed_share(*args) -> _Share:
-    return asyncio.run(_closed_loop(*args))
+    started = time.process_time()
+    share = asyncio.run(_closed_loop(*args))
+    return replace(share, cpu_s=time.process_time() - started)
 
 
 def poisson_offsets(rate_rps: float, duration_s: float, max_requests: int, seed: int) -> np.ndarray:
@@ -279,6 +284,7 @@ class LoadGenerator:
             sent=sent,
             window_s=window,
             note=_lag_note([x for s in shares for x in s.send_lag_s]),
+            client_cpu_s=sum(s.cpu_s for s in shares),
         )
 
     def sweep(
@@ -289,26 +295,63 @@ class LoadGenerator:
         max_error_rate: float = 0.001,
         stop_after_failures: int = 2,
         log=print,
+        server_cpu: Callable[[], float] | None = None,
     ) -> list[PointResult]:
-        """Rates ascending (stopping after `stop_after_failures` misses), then concurrencies."""
-        points: list[PointResult] = []
-        misses = 0
-        for rate in sorted(rates):
-            point = self.run_rate(rate)
-            points.append(point)
-            log(format_point(point))
-            passed = point.p99_ms <= budget_ms and point.error_rate <= max_error_rate
-            misses = 0 if passed else misses + 1
-            time.sleep(self.plan.cooldown_s)
-            if stop_after_failures and misses >= stop_after_failures:
-                log(f"  stopping the rate sweep after {misses} points over budget")
-                break
-        for concurrency in concurrencies:
-            point = self.run_concurrency(concurrency)
-            points.append(point)
-            log(format_point(point))
-            time.sleep(self.plan.cooldown_s)
-        return points
+        """Rates ascending (stopping after `stop_after_failures` misses), then concurrencies.
+
+        `server_cpu`, when given, reads the server's CPU seconds so far; each point then
+        records how much CPU the server spent on it.
+        """
+        return run_sweep(
+            lambda mode, load: (
+                self.run_rate(load) if mode == "rate" else self.run_concurrency(int(load))
+            ),
+            rates,
+            concurrencies,
+            budget_ms,
+            max_error_rate,
+            stop_after_failures,
+            log,
+            server_cpu,
+            self.plan.cooldown_s,
+        )
+
+
+def run_sweep(
+    run_point: Callable[[str, float], PointResult],
+    rates: Sequence[float],
+    concurrencies: Sequence[int],
+    budget_ms: float,
+    max_error_rate: float,
+    stop_after_failures: int,
+    log: Callable[[str], None],
+    server_cpu: Callable[[], float] | None,
+    cooldown_s: float,
+) -> list[PointResult]:
+    """Rates ascending, stopping after `stop_after_failures` misses; then concurrencies."""
+
+    def measured(mode: str, load: float) -> PointResult:
+        before = server_cpu() if server_cpu else math.nan
+        point = run_point(mode, load)
+        if server_cpu:
+            point = replace(point, server_cpu_s=server_cpu() - before)
+        log(format_point(point))
+        time.sleep(cooldown_s)
+        return point
+
+    points: list[PointResult] = []
+    misses = 0
+    for rate in sorted(rates):
+        point = measured("rate", rate)
+        points.append(point)
+        passed = point.p99_ms <= budget_ms and point.error_rate <= max_error_rate
+        misses = 0 if passed else misses + 1
+        if stop_after_failures and misses >= stop_after_failures:
+            log(f"  stopping the rate sweep after {misses} points over budget")
+            break
+    for concurrency in concurrencies:
+        points.append(measured("concurrency", concurrency))
+    return points
 
 
 def _ms(value: float) -> str:
@@ -320,10 +363,15 @@ def _ms(value: float) -> str:
 def format_point(p: PointResult) -> str:
     load = f"{p.load:g} req/s" if p.mode == "rate" else f"c={p.load:g}"
     errors = f" errors {p.errors} {p.error_codes}" if p.errors else ""
+    cpu = ""
+    if p.ok and math.isfinite(p.server_cpu_s):
+        cpu += f"  server {p.server_cpu_s * 1e3 / p.ok:.2f} CPU-ms/req"
+    if p.ok and math.isfinite(p.client_cpu_s):
+        cpu += f"  client {p.client_cpu_s * 1e3 / p.ok:.2f} CPU-ms/req"
     return (
         f"  {p.server:<22} {load:>14}  got {p.throughput_rps:8.1f} req/s  p50 {_ms(p.p50_ms):>7}"
         f"  p90 {_ms(p.p90_ms):>7}  p99 {_ms(p.p99_ms):>7}  p99.9 {_ms(p.p999_ms):>7} ms"
-        f"{errors}{'  (' + p.note + ')' if p.note else ''}"
+        f"{cpu}{errors}{'  (' + p.note + ')' if p.note else ''}"
     )
 
 

@@ -21,11 +21,12 @@ import json
 import math
 import os
 import re
+import resource
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.model_io import REPO_ROOT, make_request_arrays, read_model_io, resolve_model_path
@@ -136,6 +137,7 @@ class PerfAnalyzer:
                 p for p in (str(PERF_LIBS), os.environ.get("LD_LIBRARY_PATH")) if p
             ),
         }
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         proc = subprocess.run(
             self._argv(mode, load, csv_path),
             env=env,
@@ -143,10 +145,14 @@ class PerfAnalyzer:
             text=True,
             timeout=self.plan.timeout_s,
         )
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        client_cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         if proc.returncode != 0 or not csv_path.exists():
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
             return self._failed_point(mode, load, " | ".join(tail))
-        return self._parse(mode, load, csv_path, proc.stdout)
+        point = self._parse(mode, load, csv_path, proc.stdout)
+        # Includes perf_analyzer's start-up and all its windows, so it is an upper bound.
+        return replace(point, client_cpu_s=client_cpu_s)
 
     def _failed_point(self, mode: str, load: float, why: str) -> PointResult:
         return PointResult(
@@ -205,25 +211,22 @@ class PerfAnalyzer:
         max_error_rate: float = 0.001,
         stop_after_failures: int = 2,
         log=print,
+        server_cpu: Callable[[], float] | None = None,
     ) -> list[PointResult]:
-        from bench.loadgen import format_point
+        """As LoadGenerator.sweep, one perf_analyzer run per point."""
+        from bench.loadgen import run_sweep
 
-        points: list[PointResult] = []
-        misses = 0
-        for rate in sorted(rates):
-            point = self.run_point("rate", rate)
-            points.append(point)
-            log(format_point(point))
-            passed = point.p99_ms <= budget_ms and point.error_rate <= max_error_rate
-            misses = 0 if passed else misses + 1
-            if stop_after_failures and misses >= stop_after_failures:
-                log(f"  stopping the rate sweep after {misses} points over budget")
-                break
-        for concurrency in concurrencies:
-            point = self.run_point("concurrency", concurrency)
-            points.append(point)
-            log(format_point(point))
-        return points
+        return run_sweep(
+            self.run_point,
+            rates,
+            concurrencies,
+            budget_ms,
+            max_error_rate,
+            stop_after_failures,
+            log,
+            server_cpu,
+            cooldown_s=1.0,
+        )
 
 
 def _last_number(pattern: str, text: str) -> float:

@@ -38,6 +38,8 @@ class PointResult:
     mean_ms: float
     error_codes: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    server_cpu_s: float = math.nan  # CPU time of the server's processes during the point
+    client_cpu_s: float = math.nan  # CPU time of the load client during the point
 
     @property
     def error_rate(self) -> float:
@@ -46,6 +48,8 @@ class PointResult:
     def as_dict(self) -> dict:
         record = asdict(self)
         record["error_rate"] = self.error_rate
+        record["server_cpu_ms_per_ok"] = self.server_cpu_s * 1e3 / self.ok if self.ok else None
+        record["client_cpu_ms_per_ok"] = self.client_cpu_s * 1e3 / self.ok if self.ok else None
         return {
             k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in record.items()
@@ -54,7 +58,15 @@ class PointResult:
     @classmethod
     def from_dict(cls, record: dict) -> PointResult:
         known = {k: v for k, v in record.items() if k in cls.__dataclass_fields__}
-        for key in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "mean_ms"):
+        for key in (
+            "p50_ms",
+            "p90_ms",
+            "p99_ms",
+            "p999_ms",
+            "mean_ms",
+            "server_cpu_s",
+            "client_cpu_s",
+        ):
             if known.get(key) is None:
                 known[key] = math.inf
         return cls(**known)
@@ -85,6 +97,7 @@ def summarize(
     sent: int,
     window_s: float,
     note: str = "",
+    client_cpu_s: float = math.nan,
 ) -> PointResult:
     """Builds a PointResult from raw per-request latencies and error codes."""
     latencies = np.asarray(latencies_s, dtype=np.float64)
@@ -108,6 +121,7 @@ def summarize(
         mean_ms=float(latencies.mean() * 1e3) if latencies.size else math.nan,
         error_codes=dict(codes),
         note=note,
+        client_cpu_s=client_cpu_s,
     )
 
 

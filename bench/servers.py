@@ -7,6 +7,7 @@ failure to start can be read afterwards.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import socket
@@ -82,6 +83,22 @@ class ServerProcess:
             ) from None
         self.startup_s = time.monotonic() - started
         return self
+
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time of every live process in the server's process group."""
+        if self._process is None:
+            return math.nan
+        group, total_ticks = self._process.pid, 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                text = stat.read_text()
+            except OSError:
+                continue  # exited while we looked
+            # Fields after the parenthesised command: state ppid pgrp ... utime(14) stime(15).
+            fields = text[text.rindex(")") + 2 :].split()
+            if int(fields[2]) == group:
+                total_ticks += int(fields[11]) + int(fields[12])
+        return total_ticks / os.sysconf("SC_CLK_TCK")
 
     def stop(self, grace_s: float = 15.0) -> None:
         process, self._process = self._process, None
