@@ -6,7 +6,7 @@ PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check -q
 HOST ?= 127.0.0.1
 PORT ?= 50051
 
-.PHONY: serve test lint proto clean
+.PHONY: serve test lint proto clean loadtest soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+loadtest soak: $(VENV)/.test-installed
+
+include loadtest/loadtest.mk
 
 proto: $(VENV)/.test-installed
 	PYTHON=$(BIN)/python scripts/gen-proto
