@@ -209,12 +209,20 @@ def _cpu_ms_per_ok(point: PointResult | None) -> float:
 
 
 def _common_rate(records: Sequence[dict], requested: float | None) -> float | None:
-    """The requested rate, else the highest rate every measured server was offered."""
+    """The requested rate; else the highest rate offered to every measured server at which each
+    answered at least 99 % of requests (a finite p99); else the lowest rate offered to all."""
     if requested is not None:
         return requested
-    offered = [{p.load for p in _points(r) if p.mode == "rate"} for r in records if r["points"]]
-    shared = set.intersection(*offered) if offered else set()
-    return max(shared) if shared else None
+    measured = [_points(r) for r in records if r["points"]]
+    if not measured:
+        return None
+    offered = set.intersection(*({p.load for p in ps if p.mode == "rate"} for ps in measured))
+    answered = [
+        rate for rate in offered if all(math.isfinite(_at_rate(ps, rate).p99_ms) for ps in measured)
+    ]
+    if answered:
+        return max(answered)
+    return min(offered) if offered else None
 
 
 def _fmt(value: float | None, unit: str = "") -> str:
@@ -379,18 +387,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--common-rate",
         type=float,
         default=None,
-        help="rate for the p99 ratio (default: highest rate all were offered)",
+        help="rate for the p99 ratio (default: highest rate all servers answered)",
     )
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--triton-queue-delay-us", type=int, default=200)
     parser.add_argument("--mlserver-batch-time-s", type=float, default=0.0005)
     parser.add_argument("--intra-op-threads", type=int, default=1)
     parser.add_argument("--tag", default="", help="added to the result file names")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="re-summarize and re-plot an earlier result file instead of running servers",
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        earlier = json.loads(args.from_json.read_text())
+        args.history_len = earlier["settings"].get("history_len", args.history_len)
+        summarize(earlier["records"], args)
+        png = plot(earlier["records"], args, args.from_json.with_suffix(".png"))
+        print(f"\nplot: {png}" if png else "")
+        return 0
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
     onnx_path = resolve_model_path(args.model)
     knobs = Knobs(
