@@ -19,9 +19,11 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
+from opentelemetry.trace import SpanContext
 
 from service.codec import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
+from service.telemetry import Telemetry, batch_span, current_span_context
 
 __all__ = ["BatchOutcome", "EngineTimeModel", "MicroBatcher", "Scored"]
 
@@ -36,6 +38,7 @@ class BatchOutcome:
     engine: str
     fallback_reason: str
     engine_s: float
+    precision: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,10 @@ class Scored:
     engine_s: float
     batch_rows: int
     degraded: bool = False
+    # Monotonic nanoseconds: queued, handed to the engine, back from it (stage spans).
+    enqueued_ns: int = 0
+    dispatched_ns: int = 0
+    done_ns: int = 0
 
 
 class EngineTimeModel:
@@ -95,10 +102,10 @@ class _Job:
     batch: RowBatch = field(compare=False)
     enqueued: float = field(compare=False)
     future: asyncio.Future[Scored] = field(compare=False)
+    span_context: SpanContext | None = field(compare=False, default=None)
 
 
 RunBatch = Callable[[RowBatch], BatchOutcome]
-ShedHook = Callable[[str, int], None]
 
 
 def merge(batches: list[RowBatch]) -> RowBatch:
@@ -135,8 +142,9 @@ class MicroBatcher:
         workers: int,
         max_queue_delay_s: float = 0.0,
         time_model: EngineTimeModel | None = None,
-        on_shed: ShedHook | None = None,
         degrade_on_deadline: bool = False,
+        telemetry: Telemetry | None = None,
+        labels: tuple[str, str] = ("", ""),
     ) -> None:
         self._run_batch = run_batch
         self._executor = executor
@@ -145,8 +153,9 @@ class MicroBatcher:
         self._workers_n = workers
         self._max_queue_delay_s = max_queue_delay_s
         self.time_model = time_model or EngineTimeModel()
-        self._on_shed = on_shed
         self._degrade = degrade_on_deadline
+        self._telemetry = telemetry
+        self._model, self._version = labels
         self._heap: list[_Job] = []
         self._queued_rows = 0
         self._seq = itertools.count()
@@ -154,6 +163,10 @@ class MicroBatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._busy = 0
         self._closing = False
+
+    def run_batch(self, rows: RowBatch) -> BatchOutcome:
+        """Run rows on the engines directly, bypassing the queue (warm-up, tools)."""
+        return self._run_batch(rows)
 
     @property
     def queued_rows(self) -> int:
@@ -190,7 +203,8 @@ class MicroBatcher:
             )
         now = time.monotonic()
         future: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
-        job = _Job(deadline, next(self._seq), batch, now, future)
+        context = current_span_context() if self._telemetry is not None else None
+        job = _Job(deadline, next(self._seq), batch, now, future, context)
         if now + self._estimate_wait_s(batch) > deadline:
             self._shed("deadline", batch.rows)
             if self._degrade:
@@ -214,8 +228,8 @@ class MicroBatcher:
         return own + full * (batches_ahead + self._busy) / self._workers_n
 
     def _shed(self, reason: str, rows: int) -> None:
-        if self._on_shed is not None:
-            self._on_shed(reason, rows)
+        if self._telemetry is not None:
+            self._telemetry.metrics.count_shed(self._model, reason)
 
     def _fail(self, job: _Job, exc: ServiceError) -> None:
         if not job.future.done():
@@ -283,11 +297,10 @@ class MicroBatcher:
     async def _execute(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
         merged_rows = sum(j.batch.rows for j in jobs)
         length = max(j.batch.history_length for j in jobs)
-        started = time.monotonic()
+        started_ns = time.monotonic_ns()
+        started = started_ns / 1e9
         try:
-            outcome = await loop.run_in_executor(
-                self._executor, _merge_and_run, self._run_batch, [j.batch for j in jobs]
-            )
+            outcome = await self._run_traced(loop, jobs, merged_rows, length)
         except ServiceError as exc:
             for job in jobs:
                 self._fail(job, exc)
@@ -297,7 +310,9 @@ class MicroBatcher:
             for job in jobs:
                 self._fail(job, ScoringFailed("scoring failed"))
             return
+        done_ns = time.monotonic_ns()
         self.time_model.observe(merged_rows, length, outcome.engine_s)
+        self._observe(jobs, outcome, merged_rows, started)
         start = 0
         for job in jobs:
             end = start + job.batch.rows
@@ -310,9 +325,48 @@ class MicroBatcher:
                         started - job.enqueued,
                         outcome.engine_s,
                         merged_rows,
+                        enqueued_ns=int(job.enqueued * 1e9),
+                        dispatched_ns=started_ns,
+                        done_ns=done_ns,
                     )
                 )
             start = end
+
+    async def _run_traced(
+        self, loop: asyncio.AbstractEventLoop, jobs: list[_Job], rows: int, length: int
+    ) -> BatchOutcome:
+        batches = [j.batch for j in jobs]
+        if self._telemetry is None:
+            return await loop.run_in_executor(
+                self._executor, _merge_and_run, self._run_batch, batches
+            )
+        contexts = [j.span_context for j in jobs if j.span_context is not None]
+        attributes = {
+            "riskserve.model": self._model,
+            "riskserve.version": self._version,
+            "riskserve.batch.size": rows,
+            "riskserve.batch.requests": len(jobs),
+            "riskserve.batch.history_length": length,
+        }
+        with batch_span(self._telemetry.tracer, contexts, attributes) as span:
+            outcome = await loop.run_in_executor(
+                self._executor, _merge_and_run, self._run_batch, batches
+            )
+            span.set_attribute("riskserve.engine", outcome.engine)
+            span.set_attribute("riskserve.precision", outcome.precision)
+            span.set_attribute("riskserve.fallback_reason", outcome.fallback_reason)
+        return outcome
+
+    def _observe(self, jobs: list[_Job], outcome: BatchOutcome, rows: int, started: float) -> None:
+        if self._telemetry is None:
+            return
+        metrics = self._telemetry.metrics
+        metrics.observe_batch(self._model, self._version, outcome.engine, rows, outcome.engine_s)
+        for job in jobs:
+            metrics.observe_queue_wait(self._model, self._version, started - job.enqueued)
+        if outcome.fallback_reason:
+            # The reason's first word only, so the metric's label set stays small.
+            metrics.count_fallback(self._model, outcome.fallback_reason.split(":", 1)[0])
 
 
 def _merge_and_run(run_batch: RunBatch, batches: list[RowBatch]) -> BatchOutcome:

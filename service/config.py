@@ -78,13 +78,39 @@ class Settings(BaseSettings):
     )
     max_message_bytes: int = Field(4 * 1024 * 1024, gt=0, description="Largest gRPC message.")
     shutdown_grace_s: float = Field(5.0, ge=0, description="Drain time after SIGTERM.")
-    reflection: bool = Field(True, description="Serve gRPC server reflection.")
+    reflection: bool = Field(False, description="Serve gRPC server reflection.")
     allow_insecure: bool = Field(
         False, description="Permit plaintext gRPC on a non-loopback address."
     )
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain for TLS.")
     tls_key_file: Path | None = Field(None, description="PEM private key for TLS.")
     tls_client_ca_file: Path | None = Field(None, description="CA bundle; set to require mTLS.")
+    tls_reload_interval_s: float = Field(
+        1.0, ge=0, description="Least time between checks of the TLS files for a new mtime."
+    )
+    auth_token: str | None = Field(
+        None, description="Bearer token callers must send; unset (and no file) disables."
+    )
+    auth_tokens_file: Path | None = Field(
+        None, description="File of accepted bearer tokens, one a line; re-read when it changes."
+    )
+    auth_client_names: tuple[str, ...] = Field(
+        (), description="mTLS client certificate names (CN or SAN) allowed; empty allows any."
+    )
+    max_concurrent_streams: int = Field(
+        100, ge=1, description="Concurrent calls one client connection may have open."
+    )
+    reload_interval_s: float = Field(
+        0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."
+    )
+    reload_drain_s: float = Field(
+        5.0, ge=0, description="Time the replaced version gets to finish its queue."
+    )
+    engine_timeout_ms: float = Field(
+        1000.0,
+        ge=0,
+        description="An engine call slower than this takes the engine out of service; 0 = off.",
+    )
     experiments_file: Path | None = Field(
         None, description="JSON champion/challenger config; re-read when it changes."
     )
@@ -107,8 +133,10 @@ class Settings(BaseSettings):
     trace_file: Path | None = Field(
         Path("traces.jsonl"), description="JSON-lines trace file when no OTLP exporter is set."
     )
+    tracing: bool = Field(True, description="Trace RPCs and batches (tail-sampled export).")
+    metrics_host: str = Field("127.0.0.1", description="Address the Prometheus endpoint binds.")
     metrics_port: int | None = Field(
-        9464, ge=0, le=65535, description="Prometheus /metrics port on 127.0.0.1; unset disables."
+        9464, ge=0, le=65535, description="Prometheus /metrics port; none disables."
     )
     stats_interval_s: float = Field(
         0.0, ge=0, description="Log live p50/p99 per stage this often; 0 disables."

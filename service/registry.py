@@ -27,6 +27,7 @@ from engines.validation import accepted_variants
 from service.batcher import BatchOutcome, EngineTimeModel, MicroBatcher
 from service.codec import RowBatch
 from service.errors import ModelNotFound, ScoringFailed, Unavailable
+from service.telemetry import Telemetry
 
 __all__ = ["ModelRegistry", "ModelVersion", "discover_models", "version_key"]
 
@@ -70,7 +71,7 @@ class ModelVersion:
         return self.manifest.version
 
     def run_batch(self, rows: RowBatch) -> BatchOutcome:
-        return run_on_pool(self.manifest, self.pool, rows)
+        return self.batcher.run_batch(rows)
 
     def engines(self) -> Iterator[Engine]:
         """Every engine of the pool in the order tried, the fallback last, each once."""
@@ -91,7 +92,9 @@ def model_feed(manifest: Manifest, rows: RowBatch) -> dict[str, np.ndarray]:
     return inputs
 
 
-def run_on_pool(manifest: Manifest, pool: EnginePool, rows: RowBatch) -> BatchOutcome:
+def run_on_pool(
+    manifest: Manifest, pool: EnginePool, precisions: dict[str, str], rows: RowBatch
+) -> BatchOutcome:
     """Score merged rows on the engine pool (runs on an engine thread)."""
     started = time.perf_counter()
     try:
@@ -100,7 +103,8 @@ def run_on_pool(manifest: Manifest, pool: EnginePool, rows: RowBatch) -> BatchOu
         raise ScoringFailed("no engine could score the batch") from exc
     engine_s = time.perf_counter() - started
     scores = np.asarray(result.outputs[manifest.output], dtype=np.float32).reshape(-1)
-    return BatchOutcome(scores, result.engine_name, result.fallback_reason, engine_s)
+    precision = precisions.get(result.engine_name, "")
+    return BatchOutcome(scores, result.engine_name, result.fallback_reason, engine_s, precision)
 
 
 EngineFactory = Callable[[Path, Manifest], tuple[list[Engine], Engine]]
@@ -159,7 +163,7 @@ class ModelRegistry:
         max_queue_delay_s: float,
         warmup_iterations: int,
         degrade_on_deadline: bool,
-        on_shed: Callable[[str, str, int], None] | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._executor = executor
         self._engine_factory = engine_factory
@@ -169,7 +173,9 @@ class ModelRegistry:
         self._max_queue_delay_s = max_queue_delay_s
         self._warmup_iterations = warmup_iterations
         self._degrade = degrade_on_deadline
-        self._on_shed = on_shed
+        self._telemetry = telemetry
+        if telemetry is not None:
+            telemetry.metrics.set_queue_depth_callback(self.queue_depths)
         self._versions: dict[str, dict[str, ModelVersion]] = {}
         self._serving: dict[str, str] = {}
         self.ready = False
@@ -192,6 +198,10 @@ class ModelRegistry:
             return versions[version]
         except KeyError:
             raise ModelNotFound(f"model {name!r} has no version {version!r} loaded") from None
+
+    def queue_depths(self) -> dict[tuple[str, str], int]:
+        """Rows waiting per (model, version), read by the queue-depth gauge."""
+        return {(m.name, m.version): m.batcher.queued_rows for m in list(self.all())}
 
     def all(self) -> Iterator[ModelVersion]:
         for versions in self._versions.values():
@@ -250,25 +260,21 @@ class ModelRegistry:
             )
         engines, fallback = self._engine_factory(path, manifest)
         pool = EnginePool.for_manifest(manifest, engines, fallback)
+        precisions = {e.name: e.precision for e in (*engines, fallback)}
         max_rows = min(self._max_batch_rows, manifest.max_batch_size)
         workers = self._workers or max(e.max_concurrency for e in [*engines, fallback])
         time_model = EngineTimeModel()
-        on_shed = self._on_shed
-
-        def shed(reason: str, rows: int) -> None:
-            if on_shed is not None:
-                on_shed(manifest.name, reason, rows)
-
         batcher = MicroBatcher(
-            functools.partial(run_on_pool, manifest, pool),
+            functools.partial(run_on_pool, manifest, pool, precisions),
             self._executor,
             max_batch_rows=max_rows,
             max_queue_rows=self._max_queue_rows,
             workers=workers,
             max_queue_delay_s=self._max_queue_delay_s,
             time_model=time_model,
-            on_shed=shed,
             degrade_on_deadline=self._degrade,
+            telemetry=self._telemetry,
+            labels=(manifest.name, manifest.version),
         )
         model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
         if len(pool.engines) > 1:

@@ -21,6 +21,7 @@ from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
 from service.registry import EngineFactory, ModelRegistry, default_engines
+from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -50,6 +51,7 @@ class RiskServer:
     oip: InferenceServicer
     executor: ThreadPoolExecutor
     settings: Settings
+    telemetry: Telemetry
     experiments: Experiments | None = None
 
     async def stop(self) -> None:
@@ -64,7 +66,21 @@ class RiskServer:
             await self.experiments.close(grace_s)
         await self.registry.close(grace_s)
         self.executor.shutdown(wait=True, cancel_futures=False)
+        await asyncio.to_thread(self.telemetry.shutdown)
         log.info("stopped")
+
+
+def telemetry_config(settings: Settings) -> TelemetryConfig:
+    return TelemetryConfig(
+        budget_ms=settings.budget_ms,
+        trace_slow_ms=settings.trace_slow_ms,
+        trace_sample_ratio=settings.trace_sample_ratio,
+        trace_export_all=settings.trace_export_all,
+        trace_file=settings.trace_file if settings.tracing else None,
+        metrics_host=settings.metrics_host,
+        metrics_port=settings.metrics_port,
+        stats_interval_s=settings.stats_interval_s or None,
+    )
 
 
 def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
@@ -85,6 +101,7 @@ async def build_server(
 
     `engine_factory` builds each model version's engines; the default is ONNX Runtime.
     """
+    telemetry = setup_telemetry(telemetry_config(settings))
     workers = settings.engine_workers or 2
     executor = ThreadPoolExecutor(max_workers=max(workers * 2, 2), thread_name_prefix="engine")
     if engine_factory is None:
@@ -103,6 +120,7 @@ async def build_server(
         max_queue_delay_s=settings.max_queue_delay_us / 1e6,
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
+        telemetry=telemetry if settings.tracing else None,
     )
     await registry.load_dir(settings.models_dir)
     experiments = None
@@ -121,10 +139,12 @@ async def build_server(
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 1 if settings.processes > 1 else 0),
     ]
-    server = grpc.aio.server(options=options)
-    oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version())
+    traced = telemetry if settings.tracing else None
+    interceptors = [telemetry.interceptor()] if traced is not None else []
+    server = grpc.aio.server(options=options, interceptors=interceptors)
+    oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version(), telemetry)
     risk_servicer = RiskScoringServicer(
-        registry, settings.default_model, settings.budget_s, experiments
+        registry, settings.default_model, settings.budget_s, experiments, telemetry
     )
     server.add_generic_rpc_handlers(
         (
@@ -149,7 +169,15 @@ async def build_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d", registry.names(), settings.host, port)
     return RiskServer(
-        server, port, registry, health_servicer, oip_servicer, executor, settings, experiments
+        server,
+        port,
+        registry,
+        health_servicer,
+        oip_servicer,
+        executor,
+        settings,
+        telemetry,
+        experiments,
     )
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
@@ -14,9 +16,71 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 from opentelemetry import trace
 
+from service.batcher import Scored
 from service.errors import InvalidRequest, ServiceError, status_for
+from service.telemetry import Telemetry, current_trace_id, record_stage_span
 
-__all__ = ["Malformed", "deadline_for", "generic_handler", "rpc_boundary"]
+__all__ = [
+    "Malformed",
+    "deadline_for",
+    "generic_handler",
+    "note_model",
+    "note_scored",
+    "rpc_boundary",
+]
+
+
+@dataclass(slots=True)
+class _CallLabels:
+    """What the request metric of the current call is labelled with."""
+
+    model: str = ""
+    version: str = ""
+    engine: str = ""
+
+
+_CALL: contextvars.ContextVar[_CallLabels | None] = contextvars.ContextVar(
+    "riskserve_call", default=None
+)
+
+
+def note_model(name: str, version: str = "") -> None:
+    """Label the current call with the model it asked for (before the lookup can fail)."""
+    call = _CALL.get()
+    if call is not None:
+        call.model, call.version = name, version
+
+
+def note_scored(
+    telemetry: Telemetry | None, name: str, version: str, scored: Scored, decision: str = ""
+) -> None:
+    """Label the call and its server span, and add the queue and engine stage spans."""
+    call = _CALL.get()
+    if call is not None:
+        call.model, call.version, call.engine = name, version, scored.engine
+    if telemetry is None:
+        return
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    span.set_attributes(
+        {
+            "riskserve.model": name,
+            "riskserve.version": version,
+            "riskserve.engine": scored.engine,
+            "riskserve.degraded": scored.degraded,
+            "riskserve.batch.size": scored.batch_rows,
+        }
+    )
+    if decision:
+        span.set_attribute("riskserve.decision", decision)
+    if scored.fallback_reason:
+        span.set_attribute("riskserve.fallback_reason", scored.fallback_reason)
+    if scored.dispatched_ns:
+        tracer = telemetry.tracer
+        record_stage_span(tracer, "riskserve.queue", scored.enqueued_ns, scored.dispatched_ns)
+        record_stage_span(tracer, "riskserve.engine", scored.dispatched_ns, scored.done_ns)
+
 
 log = logging.getLogger(__name__)
 
@@ -64,19 +128,36 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
+        telemetry: Telemetry | None = getattr(self, "telemetry", None)
+        started = time.perf_counter()
+        call = _CallLabels()
+        token = _CALL.set(call)
+        status = grpc.StatusCode.OK
         try:
             if isinstance(request, Malformed):
                 raise InvalidRequest("request", f"is not a valid {request.type_name} message")
             return await handler(self, request, context)
         except ServiceError as exc:
-            await context.abort(status_for(exc), str(exc))
+            status = status_for(exc)
+            await context.abort(status, str(exc))
         except (grpc.aio.AbortError, grpc.RpcError):
+            status = grpc.StatusCode.UNKNOWN
             raise
         except Exception:
-            span_context = trace.get_current_span().get_span_context()
-            trace_id = f"{span_context.trace_id:032x}" if span_context.is_valid else "none"
+            status = grpc.StatusCode.INTERNAL
+            trace_id = current_trace_id() or "none"
             log.exception("unexpected error in %s (trace id %s)", handler.__name__, trace_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error (trace id {trace_id})")
+            await context.abort(status, f"internal error (trace id {trace_id})")
+        finally:
+            _CALL.reset(token)
+            if telemetry is not None and call.model:
+                telemetry.metrics.observe_request(
+                    call.model,
+                    call.version,
+                    call.engine,
+                    status.name,
+                    time.perf_counter() - started,
+                )
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return wrapper

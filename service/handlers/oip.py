@@ -8,8 +8,9 @@ from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
 from service.codec import decode_infer_request, encode_infer_response
-from service.handlers.boundary import deadline_for, rpc_boundary
+from service.handlers.boundary import deadline_for, note_model, note_scored, rpc_boundary
 from service.registry import ModelRegistry, ModelVersion
+from service.telemetry import Telemetry
 
 __all__ = ["InferenceServicer"]
 
@@ -28,7 +29,14 @@ def _tensor_shapes(model: ModelVersion) -> list[tuple[str, list[int]]]:
 
 
 class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, registry: ModelRegistry, budget_s: float, server_version: str) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        budget_s: float,
+        server_version: str,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self.telemetry = telemetry
         self._registry = registry
         self._budget_s = budget_s
         self._server_version = server_version
@@ -102,7 +110,9 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
+        note_model(request.model_name, request.model_version)
         model = self._registry.get(request.model_name, request.model_version)
         rows = decode_infer_request(request, model.manifest)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        note_scored(self.telemetry, model.name, model.version, scored)
         return encode_infer_response(request, model.version, model.manifest.output, scored.scores)

@@ -12,8 +12,9 @@ from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batcher import Scored
 from service.codec import DECISIONS, decode_score_batch, decode_score_request
 from service.experiments import Experiments
-from service.handlers.boundary import deadline_for, rpc_boundary
+from service.handlers.boundary import deadline_for, note_model, note_scored, rpc_boundary
 from service.registry import ModelRegistry, ModelVersion
+from service.telemetry import Telemetry
 
 __all__ = ["RiskScoringServicer"]
 
@@ -25,7 +26,9 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         default_model: str,
         budget_s: float,
         experiments: Experiments | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
+        self.telemetry = telemetry
         self._registry = registry
         self._default_model = default_model
         self._budget_s = budget_s
@@ -41,6 +44,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         started = time.perf_counter()
         name = request.model or self._default_model
         version = request.model_version
+        note_model(name, version)
         route = None
         if self._experiments is not None and not version:
             route = self._experiments.route(name, request.entity_id)
@@ -48,6 +52,10 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         model = self._model(name, version)
         rows = decode_score_request(request, model.manifest)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        reply = _response(request.request_id, model, scored, 0, started)
+        note_scored(
+            self.telemetry, model.name, model.version, scored, pb.Decision.Name(reply.decision)
+        )
         if route is not None:
             self._experiments.record(  # type: ignore[union-attr]
                 route,
@@ -58,16 +66,18 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 scored,
                 time.perf_counter() - started,
             )
-        return _response(request.request_id, model, scored, 0, started)
+        return reply
 
     @rpc_boundary
     async def ScoreBatch(
         self, request: pb.ScoreBatchRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreBatchResponse:
         started = time.perf_counter()
+        note_model(request.model or self._default_model, request.model_version)
         model = self._model(request.model, request.model_version)
         rows = decode_score_batch(request, model.manifest)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        note_scored(self.telemetry, model.name, model.version, scored)
         if self._experiments is not None and not request.model_version:
             # A batch is served by the champion as a whole; shadow mode copies all of it.
             route = self._experiments.route(model.name, request.requests[0].entity_id)
