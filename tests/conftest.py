@@ -27,5 +27,5 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def live(models_root: Path) -> Iterator[LiveServer]:
     """One server for the read-only API tests of the session."""
-    with LiveServer(models_dir=models_root, max_batch_size=32) as server:
+    with LiveServer(models_dir=models_root, max_batch_size=32, reflection=True) as server:
         yield server
