@@ -144,8 +144,9 @@ def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs)
             print(f"[{name}] ready on {server.target} after {server.startup_s:.1f} s")
             plan = LoadPlan(**{**plan.__dict__, "target": server.target})
             with LoadGenerator(plan, onnx_path, server_label=name) as generator:
-                score = generator.warm_up()
-                print(f"[{name}] warm; score of the benchmark request {float(score[0, 0]):.4f}")
+                score = float(generator.warm_up()[0, 0])
+                record["warmup_score"] = score
+                print(f"[{name}] warm; score of the benchmark request {score:.6f}")
                 if client == "perf_analyzer":
                     points = _perf_sweep(
                         name, server.target, args, onnx_path, spec.model_name, server.cpu_seconds
@@ -435,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         records.append(_run_one(name, args, onnx_path, knobs))
         time.sleep(1.0)
     summary = summarize(records, args)
+    scores = {r["server"]: r["warmup_score"] for r in records if "warmup_score" in r}
+    if scores and max(scores.values()) - min(scores.values()) > 1e-3:
+        print(f"WARNING: the servers scored the same request differently: {scores}")
     out = {
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": {
