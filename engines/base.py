@@ -6,6 +6,7 @@ Exception tree::
     ├── ShapeMismatch      a tensor's dims fall outside the engine's shape ranges
     ├── EngineUnavailable  the backend cannot be loaded here (library or device missing)
     └── EngineFailure      the backend failed while running a batch
+        └── EngineHung     a call ran past the engine time limit (see engines.watchdog)
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "Engine",
     "EngineError",
     "EngineFailure",
+    "EngineHung",
     "EngineUnavailable",
     "Profile",
     "ShapeMismatch",
@@ -53,6 +55,10 @@ class EngineFailure(EngineError):
     """The backend raised or returned an error while running a batch."""
 
 
+class EngineHung(EngineFailure):
+    """A call did not return within the engine time limit; its thread may still be running."""
+
+
 @dataclass(frozen=True, slots=True)
 class DimRange:
     """Inclusive range of one dimension; `max_value=None` means unbounded."""
@@ -79,7 +85,9 @@ class TensorSpec:
         )
 
     def describe(self) -> str:
-        parts = [f"{d.min_value}..{'inf' if d.max_value is None else d.max_value}" for d in self.dims]
+        parts = [
+            f"{d.min_value}..{'inf' if d.max_value is None else d.max_value}" for d in self.dims
+        ]
         return "[" + ", ".join(parts) + "]"
 
 

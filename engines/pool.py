@@ -2,8 +2,12 @@
 
 A batch whose rows do not all fit is split by row: rows whose own history length (from the
 mask) fits the engine's profile run there, trimmed to their longest row; the rest run on the
-fallback (ONNX Runtime); outputs are put back in the original row order. An engine that fails
-`max_consecutive_errors` times in a row is taken out of the pool.
+fallback (ONNX Runtime); outputs are put back in the original row order.
+
+Faults: an engine that raises `EngineFailure`, or returns NaN or infinite outputs (the inputs
+were validated finite, so that is the engine's fault, e.g. an FP16 overflow), has that batch
+served by the fallback and the error counted; `max_consecutive_errors` in a row take it out of
+the pool. An engine that hangs (`EngineHung`, from `engines.watchdog`) is taken out at once.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.base import Engine, EngineFailure, Profile, ShapeMismatch
+from engines.base import Engine, EngineFailure, EngineHung, Profile, ShapeMismatch
 from engines.manifest import Manifest
 
 __all__ = ["CalibrationReport", "EngineHealth", "EnginePool", "PoolResult"]
@@ -44,6 +48,7 @@ class EngineHealth:
     healthy: bool
     consecutive_errors: int
     total_errors: int
+    last_error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,7 @@ class EnginePool:
         self._lock = threading.Lock()
         self._consecutive = {e.name: 0 for e in self._engines}
         self._total = {e.name: 0 for e in self._engines}
+        self._last_error = {e.name: "" for e in self._engines}
         self._removed: set[str] = set()
 
     @classmethod
@@ -122,19 +128,34 @@ class EnginePool:
                     e.name not in self._removed,
                     self._consecutive[e.name],
                     self._total[e.name],
+                    self._last_error[e.name],
                 )
                 for e in self._engines
             }
 
-    def _record(self, engine: Engine, ok: bool) -> None:
+    def _record(self, engine: Engine, error: EngineFailure | None = None) -> None:
+        name = engine.name
+        if name not in self._consecutive:  # the bare fallback keeps no record
+            return
         with self._lock:
-            if ok:
-                self._consecutive[engine.name] = 0
+            if error is None:
+                self._consecutive[name] = 0
                 return
-            self._consecutive[engine.name] += 1
-            self._total[engine.name] += 1
-            if self._consecutive[engine.name] >= self.max_consecutive_errors:
-                self._removed.add(engine.name)
+            self._consecutive[name] += 1
+            self._total[name] += 1
+            self._last_error[name] = str(error)
+            hung = isinstance(error, EngineHung)
+            if hung or self._consecutive[name] >= self.max_consecutive_errors:
+                self._removed.add(name)
+
+    def _checked(self, engine: Engine, inputs: Arrays) -> dict[str, np.ndarray]:
+        outputs = self._run_chunked(engine, inputs)
+        if engine is not self.fallback:
+            for name, value in outputs.items():
+                array = np.asarray(value)
+                if array.dtype.kind in "fc" and not np.isfinite(array).all():
+                    raise EngineFailure(f"{engine.name}: non-finite values in output {name!r}")
+        return outputs
 
     # -- running ---------------------------------------------------------------------------
 
@@ -174,13 +195,13 @@ class EnginePool:
     def _run_whole(self, engine: Engine, inputs: Arrays) -> PoolResult:
         n = _rows(inputs)
         try:
-            outputs = self._run_chunked(engine, inputs)
+            outputs = self._checked(engine, inputs)
         except ShapeMismatch as exc:
             return self._on_fallback(inputs, _mismatch_reason(exc), n)
-        except EngineFailure:
-            self._record(engine, ok=False)
-            return self._on_fallback(inputs, f"engine_error: {engine.name}", n)
-        self._record(engine, ok=True)
+        except EngineFailure as exc:
+            self._record(engine, exc)
+            return self._on_fallback(inputs, _error_reason(engine, exc), n)
+        self._record(engine)
         return PoolResult(outputs, engine.name, "", (engine.name,) * n)
 
     def _row_lengths(self, inputs: Arrays) -> np.ndarray | None:
@@ -238,13 +259,13 @@ class EnginePool:
         n = _rows(inputs)
         rest = np.setdiff1d(np.arange(n), rows)
         try:
-            fast = self._run_chunked(engine, part)
+            fast = self._checked(engine, part)
         except ShapeMismatch as exc:
             return self._on_fallback(inputs, _mismatch_reason(exc), n)
-        except EngineFailure:
-            self._record(engine, ok=False)
-            return self._on_fallback(inputs, f"engine_error: {engine.name}", n)
-        self._record(engine, ok=True)
+        except EngineFailure as exc:
+            self._record(engine, exc)
+            return self._on_fallback(inputs, _error_reason(engine, exc), n)
+        self._record(engine)
         if rest.size == 0:
             # Only padding made the batch too long; every row fitted once trimmed.
             return PoolResult(fast, engine.name, "", (engine.name,) * n)
@@ -280,12 +301,16 @@ class EnginePool:
                     engine.select_profile(_shapes(batch))
                 except ShapeMismatch:
                     continue
-                engine.infer(batch)  # warm-up: first runs allocate and pick kernels
-                times = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    engine.infer(batch)
-                    times.append(time.perf_counter() - start)
+                try:
+                    engine.infer(batch)  # warm-up: first runs allocate and pick kernels
+                    times = []
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        engine.infer(batch)
+                        times.append(time.perf_counter() - start)
+                except EngineFailure as exc:
+                    self._record(engine, exc)
+                    break
                 seconds[engine.name][size] = statistics.median(times)
         best = {
             size: min((t[size] for t in seconds.values() if size in t), default=None)
@@ -328,6 +353,11 @@ def _history_cap(engine: Engine, history_input: str | None) -> tuple[int, int] |
 
 def _specs(profile: Profile, name: str | None) -> list:
     return [s for s in profile.inputs if s.name == name]
+
+
+def _error_reason(engine: Engine, exc: EngineFailure) -> str:
+    kind = "engine_hung" if isinstance(exc, EngineHung) else "engine_error"
+    return f"{kind}: {engine.name}"
 
 
 def _mismatch_reason(exc: ShapeMismatch) -> str:
