@@ -9,19 +9,26 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engines.base import Engine
+from engines.manifest import Manifest
+from engines.watchdog import Watchdog
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
+from service.auth import AuthInterceptor, TokenSource
 from service.config import Settings
 from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
 from service.registry import EngineFactory, ModelRegistry, default_engines
+from service.reload import ModelWatcher
 from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
+from service.tls import CertificateFiles
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -53,10 +60,14 @@ class RiskServer:
     settings: Settings
     telemetry: Telemetry
     experiments: Experiments | None = None
+    watcher: ModelWatcher | None = None
+    certificates: CertificateFiles | None = None
 
     async def stop(self) -> None:
         """Refuse new work, let queued and in-flight requests finish, then stop."""
         grace_s = self.settings.shutdown_grace_s
+        if self.watcher is not None:
+            await self.watcher.close()
         self.oip.draining = True
         await self.health.enter_graceful_shutdown()
         # The server stops taking calls and waits for those in flight, which need the batchers.
@@ -83,15 +94,34 @@ def telemetry_config(settings: Settings) -> TelemetryConfig:
     )
 
 
-def _credentials(settings: Settings) -> grpc.ServerCredentials | None:
+def _certificates(settings: Settings) -> CertificateFiles | None:
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
-    key = settings.tls_key_file.read_bytes()
-    chain = settings.tls_cert_file.read_bytes()
-    client_ca = settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file else None
-    return grpc.ssl_server_credentials(
-        [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
+    return CertificateFiles(
+        settings.tls_cert_file,
+        settings.tls_key_file,
+        settings.tls_client_ca_file,
+        settings.tls_reload_interval_s,
     )
+
+
+def _auth(settings: Settings) -> AuthInterceptor | None:
+    tokens = None
+    if settings.auth_token or settings.auth_tokens_file:
+        tokens = TokenSource(settings.auth_token, settings.auth_tokens_file)
+    if tokens is None and not settings.auth_client_names:
+        return None
+    return AuthInterceptor(tokens, settings.auth_client_names)
+
+
+def _with_watchdog(factory: EngineFactory, timeout_s: float) -> EngineFactory:
+    """Each model's primary engines under a time limit; the fallback runs as it is."""
+
+    def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
+        engines, fallback = factory(path, manifest)
+        return [e if e is fallback else Watchdog(e, timeout_s) for e in engines], fallback
+
+    return build
 
 
 async def build_server(
@@ -111,6 +141,8 @@ async def build_server(
             tensorrt=settings.tensorrt,
             onnx_variants=settings.onnx_variants,
         )
+    if settings.engine_timeout_ms > 0:
+        engine_factory = _with_watchdog(engine_factory, settings.engine_timeout_ms / 1000)
     registry = ModelRegistry(
         executor,
         engine_factory,
@@ -138,9 +170,15 @@ async def build_server(
         ("grpc.max_receive_message_length", settings.max_message_bytes),
         ("grpc.max_send_message_length", settings.max_message_bytes),
         ("grpc.so_reuseport", 1 if settings.processes > 1 else 0),
+        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
     ]
     traced = telemetry if settings.tracing else None
-    interceptors = [telemetry.interceptor()] if traced is not None else []
+    interceptors: list[grpc.aio.ServerInterceptor] = (
+        [telemetry.interceptor()] if traced is not None else []
+    )
+    auth = _auth(settings)
+    if auth is not None:
+        interceptors.append(auth)
     server = grpc.aio.server(options=options, interceptors=interceptors)
     oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version(), telemetry)
     risk_servicer = RiskScoringServicer(
@@ -159,12 +197,19 @@ async def build_server(
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
 
     address = f"{settings.host}:{settings.port}"
-    credentials = _credentials(settings)
-    if credentials is None:
+    certificates = _certificates(settings)
+    if certificates is None:
         port = server.add_insecure_port(address)
     else:
-        port = server.add_secure_port(address, credentials)
+        port = server.add_secure_port(address, certificates.credentials())
     await server.start()
+    watcher = ModelWatcher(
+        registry,
+        settings.models_dir,
+        interval_s=settings.reload_interval_s,
+        drain_s=settings.reload_drain_s,
+    )
+    watcher.start()
     for name in ["", *SERVICE_NAMES]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d", registry.names(), settings.host, port)
@@ -178,6 +223,8 @@ async def build_server(
         settings,
         telemetry,
         experiments,
+        watcher,
+        certificates,
     )
 
 
@@ -209,6 +256,7 @@ def serve_processes(settings: Settings) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(signal.SIGHUP, forward)
     for child in children:
         child.join()
     return max((child.exitcode or 0) for child in children)
@@ -226,6 +274,8 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if running.watcher is not None:
+        loop.add_signal_handler(signal.SIGHUP, running.watcher.trigger)
     if ready is not None:
         ready.set()
     await stop.wait()
