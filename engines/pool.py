@@ -115,7 +115,13 @@ class EnginePool:
 
     @property
     def engines(self) -> tuple[Engine, ...]:
-        """Engines still in the pool, in the order they are tried."""
+        """Every engine of the pool in the order tried, those out of service too (see `health`)."""
+        with self._lock:
+            return tuple(self._engines)
+
+    @property
+    def in_service(self) -> tuple[Engine, ...]:
+        """The engines still tried, in order: those not taken out after errors or a hang."""
         with self._lock:
             return tuple(e for e in self._engines if e.name not in self._removed)
 
@@ -160,7 +166,7 @@ class EnginePool:
     # -- running ---------------------------------------------------------------------------
 
     def run(self, inputs: Arrays) -> PoolResult:
-        engines = self.engines
+        engines = self.in_service
         n = _rows(inputs)
         if not engines:
             reason = "engines_unavailable" if self._engines else ""
@@ -293,7 +299,7 @@ class EnginePool:
         at each batch size they accept; an engine that accepts none keeps its place at the end.
         """
         seconds: dict[str, dict[int, float]] = {}
-        for engine in self.engines:
+        for engine in self.in_service:
             seconds[engine.name] = {}
             for size in batch_sizes:
                 batch = _tile(sample_inputs, size)

@@ -152,7 +152,8 @@ def test_engine_error_falls_back_and_repeated_errors_remove_the_engine() -> None
         np.testing.assert_allclose(result.outputs["score"], _score(inputs))
     health = pool.health["tensorrt-fp16"]
     assert not health.healthy and health.total_errors == 3
-    assert pool.engines == ()
+    assert pool.in_service == ()
+    assert [e.name for e in pool.engines] == ["tensorrt-fp16"]  # still listed, as unhealthy
     result = pool.run(inputs)
     assert result.fallback_reason == "engines_unavailable"
     assert len(fast.calls) == 3

@@ -22,7 +22,9 @@ class FakeEngine(Engine):
     """Scores rows as `expected_score`, taking `base_s + per_row_s * rows`, failing on demand.
 
     `max_rows` and `max_history` declare a profile the way a TensorRT engine does, so a batch
-    outside it raises ShapeMismatch before anything runs.
+    outside it raises ShapeMismatch before anything runs. The faults are plain attributes a
+    test may flip while the engine serves: `fail` raises EngineFailure, `nan` returns NaN
+    scores, and `hang` (an Event) blocks each call until the event is set.
     """
 
     kind = "fake"
@@ -38,6 +40,8 @@ class FakeEngine(Engine):
         max_history: int | None = None,
         fail: bool = False,
         concurrency: int = 1,
+        nan: bool = False,
+        hang: threading.Event | None = None,
     ) -> None:
         self.name = name
         self.precision = "fp32"
@@ -45,6 +49,8 @@ class FakeEngine(Engine):
         self.base_s = base_s
         self.per_row_s = per_row_s
         self.fail = fail
+        self.nan = nan
+        self.hang = hang
         self.batches: list[int] = []
         self._lock = threading.Lock()
         batch = DimRange(1, 1, max_rows)
@@ -76,9 +82,14 @@ class FakeEngine(Engine):
         with self._lock:
             self.batches.append(rows)
         time.sleep(self.base_s + self.per_row_s * rows)
+        if self.hang is not None:
+            self.hang.wait()
         if self.fail:
             raise EngineFailure(f"{self.name}: injected failure")
-        return {self._output: expected_score(features).astype(np.float32).reshape(-1, 1)}
+        scores = expected_score(features).astype(np.float32).reshape(-1, 1)
+        if self.nan:
+            scores[:] = np.nan
+        return {self._output: scores}
 
 
 def fake_factory(**options) -> tuple:
@@ -89,5 +100,21 @@ def fake_factory(**options) -> tuple:
         engine = FakeEngine(manifest, **options)
         made[manifest.name] = engine
         return [], engine
+
+    return build, made
+
+
+def primary_and_fallback(**primary_options) -> tuple:
+    """A factory serving every model with a FakeEngine "primary" before a FakeEngine fallback.
+
+    Returns (factory, made): made[model name] is the (primary, fallback) pair.
+    """
+    made: dict[str, tuple[FakeEngine, FakeEngine]] = {}
+
+    def build(path: Path, manifest: Manifest):
+        primary = FakeEngine(manifest, name="primary", **primary_options)
+        fallback = FakeEngine(manifest, name="fallback")
+        made[manifest.name] = (primary, fallback)
+        return [primary], fallback
 
     return build, made
