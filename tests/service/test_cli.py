@@ -61,3 +61,19 @@ def test_info_prints_schema(live):
     assert done.returncode == 0, done.stderr
     info = json.loads(done.stdout)
     assert info["historyFields"] == list(HISTORY_FIELDS)
+
+
+def test_readme_quick_start_request(live, tmp_path):
+    """The README's quick start: a sample request from the demo, scored by the CLI."""
+    sample = subprocess.run(
+        [sys.executable, "-m", "demo.sample_request"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    path = tmp_path / "request.json"
+    path.write_text(sample.stdout)
+    done = run_cli("score", "--target", live.target, str(path))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["requestId"] == "demo-0"
