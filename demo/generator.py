@@ -11,17 +11,18 @@ The process, per account (``docs/demo-model.md`` explains it at more length):
 1. **Habits.** A typical log amount ``mu`` (normal around log 45) and spread ``sigma``; an online
    share; a travel share (country mismatch); a mean gap between transactions (log-normal, about
    18 h); preferences over ``N_MCC`` merchant buckets (Dirichlet); a new-merchant share; a preferred
-   hour of day. History rows are drawn from these habits.
+   hour of day; 4 % of accounts are travelling (recent rows and the current one abroad). History
+   rows are drawn from these habits.
 2. **History length.** 1.5 % of accounts are new (0..3 rows), 94.5 % have 4..64 rows, 4 % have
    65..200 rows (longer than the TensorRT profile, so the fallback engine is exercised). Length
    does not depend on fraud.
 3. **Compromise.** An account is compromised with probability ``sigmoid(-3.35 + 0.7 [age < 90 d]
-   + 0.4 [online share > 0.6])`` (about 4.5 %). A compromised account's current transaction is
+   + 0.4 [online share > 0.6])`` (about 3.7 %). A compromised account's current transaction is
    fraud of one of three kinds:
 
    * *card testing* (35 %): the last 3..12 history rows are replaced by a burst of tiny
      (0.5..6) transactions minutes apart, mostly online at new digital-goods merchants; the current
-     transaction is then a large online purchase minutes after the burst;
+     transaction is then a raised (1.6..12 times typical) online purchase minutes later;
    * *account takeover* (40 %): the current amount jumps 6..33 times above the account's own
      typical amount, at a new merchant (electronics, travel, cash-like), from a device seen for the
      first time, often at night and with address verification failing; the last rows often show
@@ -30,11 +31,11 @@ The process, per account (``docs/demo-model.md`` explains it at more length):
      home), often card-present without PIN, with a moderately raised amount.
 
    Every signal is present only with some probability, and legitimate accounts show each one
-   too (big purchases 4 %, travel, bursts of quick purchases 3 %, new devices 5 %), so no single
-   signal separates the classes.
+   too (big purchases 6 %, travel, quick successive purchases 8 %, bursts inside 3 % of
+   histories, new devices 5 %), so no single signal separates the classes.
 4. **Labels.** Fraud is reported (label 1) with probability 0.93; a legitimate transaction is
    labelled 1 with probability 0.004 (friendly fraud, disputes). Label noise caps the attainable
-   AUC at about 0.96.
+   AUC near 0.95.
 
 `model_inputs` and `pad_histories` turn samples into the three ONNX inputs of the model.
 """
