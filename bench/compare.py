@@ -57,6 +57,7 @@ class Knobs:
     triton_queue_delay_us: int
     mlserver_batch_time_s: float
     intra_op_threads: int
+    riskserve_budget_ms: float | None = None
 
 
 class Skip(Exception):
@@ -82,6 +83,8 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_METRICS_PORT": str(free_port()),
     }
+    if knobs.riskserve_budget_ms is not None:
+        env["RISKSERVE_BUDGET_MS"] = f"{knobs.riskserve_budget_ms:g}"
     if name == "riskserve-nobatch":
         env["RISKSERVE_MAX_BATCH_SIZE"] = "1"
     else:
@@ -394,6 +397,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--triton-queue-delay-us", type=int, default=200)
     parser.add_argument("--mlserver-batch-time-s", type=float, default=0.0005)
     parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument(
+        "--riskserve-budget-ms",
+        type=float,
+        default=None,
+        help="RISKSERVE_BUDGET_MS for riskserve: the deadline it applies to requests without a "
+        "gRPC deadline (perf_analyzer sends none; loadgen sends --timeout-s)",
+    )
     parser.add_argument("--tag", default="", help="added to the result file names")
     parser.add_argument(
         "--from-json",
@@ -420,6 +430,7 @@ def main(argv: list[str] | None = None) -> int:
         args.triton_queue_delay_us,
         args.mlserver_batch_time_s,
         args.intra_op_threads,
+        args.riskserve_budget_ms,
     )
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S") + (f"-{args.tag}" if args.tag else "")
