@@ -47,7 +47,11 @@ def _score(args: argparse.Namespace) -> int:
     from riskscoring.v1 import risk_scoring_pb2 as pb
     from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
-    payload = _read_json(args.request)
+    try:
+        payload = _read_json(args.request)
+    except (OSError, ValueError) as exc:
+        print(f"riskserve score: cannot read the request: {exc}", file=sys.stderr)
+        return 2
     with grpc.insecure_channel(args.target) as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         try:

@@ -287,7 +287,7 @@ class ModelRegistry:
             manifest.name,
             manifest.version,
             path,
-            [e.name for e in engines],
+            [e.name for e in pool.engines],
             fallback.name,
             max_rows,
             workers,

@@ -27,5 +27,13 @@ def models_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def live(models_root: Path) -> Iterator[LiveServer]:
     """One server for the read-only API tests of the session."""
-    with LiveServer(models_dir=models_root, max_batch_size=32, reflection=True) as server:
+    # Correctness tests: a generous budget, so a loaded CI machine does not shed them, and
+    # FP32 only, so scores compare exactly with ONNX Runtime run directly.
+    with LiveServer(
+        models_dir=models_root,
+        max_batch_size=32,
+        budget_ms=5000,
+        onnx_variants=False,
+        reflection=True,
+    ) as server:
         yield server

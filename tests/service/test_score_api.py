@@ -157,3 +157,18 @@ def test_unknown_model_is_not_found(stub):
         stub.Score(pb.ScoreRequest(model="nope", features={"a": 1.0}), timeout=5)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     assert "nope" in err.value.details()
+
+
+def test_validated_variants_join_the_pool_fastest_first(models_root):
+    """FP16 and INT8 passed validation, so they load; the measured-fastest engine serves."""
+    from liveserver import LiveServer
+
+    with LiveServer(models_dir=models_root, budget_ms=5000) as server, server.channel() as ch:
+        stub = pb_grpc.RiskScoringStub(ch)
+        info = stub.GetModelInfo(pb.ModelInfoRequest(model="fraud-demo"), timeout=5)
+        names = [e.name for e in info.engines]
+        assert set(names) == {"onnxruntime-cpu", "onnxruntime-cpu-fp16", "onnxruntime-cpu-int8"}
+        assert {e.precision for e in info.engines} == {"fp32", "fp16", "int8"}
+        reply = stub.Score(demo_request(generate(1, seed=3), 0), timeout=5)
+        assert reply.engine == names[0]
+        assert reply.fallback_reason == ""
