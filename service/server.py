@@ -25,6 +25,7 @@ from service.config import Settings
 from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
+from service.health import DrainingHealth
 from service.registry import EngineFactory, ModelRegistry, default_engines
 from service.reload import ModelWatcher
 from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
@@ -190,7 +191,7 @@ async def build_server(
             generic_handler(oip_servicer, oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]),
         )
     )
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = DrainingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*SERVICE_NAMES, health.SERVICE_NAME]
     if settings.reflection:
