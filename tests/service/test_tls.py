@@ -1,0 +1,131 @@
+"""TLS and mutual TLS on the gRPC port, with certificates rotated while the server runs."""
+
+from __future__ import annotations
+
+import grpc
+import pydantic
+import pytest
+from certs import Authority, write_atomically
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from liveserver import LiveServer
+from modelkit import write_tabular_model
+
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+from service.config import Settings
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tls-models")
+    write_tabular_model(root)
+    return root
+
+
+@pytest.fixture
+def pki(tmp_path):
+    ca = Authority()
+    server = ca.issue("riskserve", server=True)
+    files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    write_atomically(files["cert"], server.cert_pem)
+    write_atomically(files["key"], server.key_pem)
+    write_atomically(files["ca"], ca.pem)
+    return ca, files
+
+
+def serve(models, files, **settings) -> LiveServer:
+    return LiveServer(
+        models_dir=models,
+        default_model="credit-lite",
+        tls_cert_file=files["cert"],
+        tls_key_file=files["key"],
+        tls_reload_interval_s=0,
+        budget_ms=2000,
+        onnx_variants=False,
+        **settings,
+    )
+
+
+def score(channel: grpc.Channel) -> pb.ScoreResponse:
+    request = pb.ScoreRequest(request_id="1", features={f"f{j}": 0.1 for j in range(5)})
+    return pb_grpc.RiskScoringStub(channel).Score(request, timeout=5)
+
+
+def secure(target: str, root_pem: bytes, client=None) -> grpc.Channel:
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=root_pem,
+        private_key=client.key_pem if client else None,
+        certificate_chain=client.cert_pem if client else None,
+    )
+    return grpc.secure_channel(target, credentials)
+
+
+def fails(channel: grpc.Channel) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        score(channel)
+    return err.value.code()
+
+
+def test_tls_client_is_served_and_plaintext_is_not(models, pki):
+    ca, files = pki
+    with serve(models, files) as server:
+        with secure(server.target, ca.pem) as channel:
+            assert score(channel).model == "credit-lite"
+        with grpc.insecure_channel(server.target) as channel:
+            assert fails(channel) == grpc.StatusCode.UNAVAILABLE
+        with secure(server.target, Authority("someone else").pem) as channel:
+            assert fails(channel) == grpc.StatusCode.UNAVAILABLE  # server not trusted
+
+
+def test_mutual_tls_requires_a_client_certificate_from_the_ca(models, pki):
+    ca, files = pki
+    with serve(models, files, tls_client_ca_file=files["ca"]) as server:
+        with secure(server.target, ca.pem, ca.issue("scorer", server=False)) as channel:
+            assert score(channel).model == "credit-lite"
+        with secure(server.target, ca.pem) as channel:
+            assert fails(channel) == grpc.StatusCode.UNAVAILABLE
+        stranger = Authority("stranger").issue("scorer", server=False)
+        with secure(server.target, ca.pem, stranger) as channel:
+            assert fails(channel) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_rotated_certificate_is_used_without_restart(models, pki):
+    ca, files = pki
+    with serve(models, files) as server:
+        with secure(server.target, ca.pem) as channel:
+            score(channel)
+        new_ca = Authority("rotated CA")
+        rotated = new_ca.issue("riskserve", server=True)
+        write_atomically(files["key"], rotated.key_pem)
+        write_atomically(files["cert"], rotated.cert_pem)
+        # New connections get the new chain: clients trusting only the new CA now connect...
+        with secure(server.target, new_ca.pem) as channel:
+            assert score(channel).model == "credit-lite"
+        # ... and those trusting only the old one no longer do.
+        with secure(server.target, ca.pem) as channel:
+            assert fails(channel) == grpc.StatusCode.UNAVAILABLE
+        assert server.server is not None and server.server.certificates is not None
+        assert server.server.certificates.reloads == 1
+
+
+def test_a_broken_rotation_keeps_the_old_certificate(models, pki):
+    ca, files = pki
+    with serve(models, files) as server:
+        write_atomically(files["cert"], b"not a certificate")
+        with secure(server.target, ca.pem) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_plaintext_is_refused_off_loopback_unless_allowed(models):
+    with pytest.raises(pydantic.ValidationError, match="plaintext"):
+        Settings(host="0.0.0.0", models_dir=models)
+    assert Settings(host="0.0.0.0", models_dir=models, allow_insecure=True).allow_insecure
+    assert Settings(host="::1", models_dir=models).host == "::1"  # loopback needs no TLS
+
+
+def test_tls_settings_come_in_pairs(models, pki):
+    _, files = pki
+    with pytest.raises(pydantic.ValidationError, match="together"):
+        Settings(models_dir=models, tls_cert_file=files["cert"])
