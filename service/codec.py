@@ -8,6 +8,7 @@ status message alone.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -151,7 +152,7 @@ def _tensor(
     shape = tuple(int(d) for d in tensor.shape)
     if any(d < 0 for d in shape):
         raise InvalidRequest(f"{field}.shape", f"{list(shape)} has a negative dimension")
-    count = int(np.prod(shape)) if shape else 1
+    count = math.prod(shape)  # exact: numpy's int64 product wraps around on huge shapes
     if request.raw_input_contents:
         if index >= len(request.raw_input_contents):
             raise InvalidRequest("raw_input_contents", f"has no entry for inputs[{index}]")
