@@ -70,8 +70,11 @@ class LiveServer:
 
 
 @contextmanager
-def server_process(models_dir: Path, **env: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
-    """`riskserve serve` in a child process; yields it and its target once it listens."""
+def server_process(
+    models_dir: Path, argv: tuple[str, ...] = ("-m", "service", "serve"), **env: str
+) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`riskserve serve` (or Python with `argv`) in a child process; yields it and its target
+    once it listens."""
     environ = {
         **os.environ,
         "RISKSERVE_MODELS_DIR": str(models_dir),
@@ -82,7 +85,7 @@ def server_process(models_dir: Path, **env: str) -> Iterator[tuple[subprocess.Po
         **env,
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "service", "serve"],
+        [sys.executable, *argv],
         cwd=REPO,
         env=environ,
         stdout=subprocess.PIPE,
