@@ -30,7 +30,9 @@ class _Frozen(BaseModel):
 class HistorySpec(_Frozen):
     """The variable-length sequence of an entity's recent events."""
 
-    input: str = Field("history", description="ONNX input name of the (batch, length, fields) tensor.")
+    input: str = Field(
+        "history", description="ONNX input name of the (batch, length, fields) tensor."
+    )
     mask_input: str = Field(
         "history_mask", description="ONNX input name of the (batch, length) 1/0 validity mask."
     )

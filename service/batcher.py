@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from opentelemetry.trace import SpanContext
+from opentelemetry.util.types import AttributeValue
 
 from service.codec import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
@@ -64,8 +65,13 @@ class EngineTimeModel:
     Exponentially weighted least squares, so it follows the machine as load and clocks change.
     """
 
-    def __init__(self, forget: float = 0.98, initial_s: float = 0.001) -> None:
+    def __init__(
+        self, forget: float = 0.98, initial_s: float = 0.001, margin: float = 1.25
+    ) -> None:
         self._forget = forget
+        # Estimates are means; queueing behind them is not. 25 % headroom keeps the admitted
+        # requests' tail inside the deadline instead of at it.
+        self.margin = margin
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._initial_s = initial_s
 
@@ -83,6 +89,10 @@ class EngineTimeModel:
         self._sxy = f * self._sxy + x * seconds
 
     def estimate_s(self, rows: int, history_length: int) -> float:
+        """Expected engine seconds, padded by `margin` so admission errs on the safe side."""
+        return self._fit_s(rows, history_length) * self.margin
+
+    def _fit_s(self, rows: int, history_length: int) -> float:
         if self._sw == 0.0:
             return self._initial_s
         x = self.cells(rows, history_length)
@@ -341,7 +351,7 @@ class MicroBatcher:
                 self._executor, _merge_and_run, self._run_batch, batches
             )
         contexts = [j.span_context for j in jobs if j.span_context is not None]
-        attributes = {
+        attributes: dict[str, AttributeValue] = {
             "riskserve.model": self._model,
             "riskserve.version": self._version,
             "riskserve.batch.size": rows,

@@ -147,6 +147,7 @@ def _response(
 ) -> pb.ScoreResponse:
     manifest = model.manifest
     score = float(scored.scores[row])
+    decision: str
     if scored.degraded or math.isnan(score):
         decision = manifest.fallback_decision
         score = 0.0
