@@ -82,6 +82,10 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         "RISKSERVE_MODELS_DIR": models_dir,
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_METRICS_PORT": str(free_port()),
+        # The peers run the FP32 file: riskserve does too, whatever its pool measures fastest.
+        "RISKSERVE_ONNX_VARIANTS": "false",
+        # Kept traces go nowhere in a benchmark; tracing itself stays on, as deployed.
+        "RISKSERVE_TRACE_FILE": "none",
     }
     if knobs.riskserve_budget_ms is not None:
         env["RISKSERVE_BUDGET_MS"] = f"{knobs.riskserve_budget_ms:g}"
