@@ -40,6 +40,8 @@ class BatchOutcome:
     fallback_reason: str
     engine_s: float
     precision: str = ""
+    # The engine of each row, where a batch was split between an engine and the fallback.
+    row_engines: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,15 @@ class Scored:
     enqueued_ns: int = 0
     dispatched_ns: int = 0
     done_ns: int = 0
+    row_engines: tuple[str, ...] = ()
+
+    def row_engine(self, row: int) -> tuple[str, str]:
+        """The engine that scored `row` and why it was not the preferred one ('' if it was)."""
+        if not self.row_engines:  # the whole batch ran on one engine
+            return self.engine, self.fallback_reason
+        # A split batch: rows on the preferred engine carry no fallback reason.
+        engine = self.row_engines[row]
+        return engine, (self.fallback_reason if engine != self.engine else "")
 
 
 class EngineTimeModel:
@@ -338,6 +349,7 @@ class MicroBatcher:
                         enqueued_ns=int(job.enqueued * 1e9),
                         dispatched_ns=started_ns,
                         done_ns=done_ns,
+                        row_engines=outcome.row_engines[start:end],
                     )
                 )
             start = end

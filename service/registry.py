@@ -104,7 +104,15 @@ def run_on_pool(
     engine_s = time.perf_counter() - started
     scores = np.asarray(result.outputs[manifest.output], dtype=np.float32).reshape(-1)
     precision = precisions.get(result.engine_name, "")
-    return BatchOutcome(scores, result.engine_name, result.fallback_reason, engine_s, precision)
+    split = len(set(result.row_engines)) > 1
+    return BatchOutcome(
+        scores,
+        result.engine_name,
+        result.fallback_reason,
+        engine_s,
+        precision,
+        result.row_engines if split else (),
+    )
 
 
 EngineFactory = Callable[[Path, Manifest], tuple[list[Engine], Engine]]

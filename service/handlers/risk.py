@@ -147,6 +147,7 @@ def _response(
 ) -> pb.ScoreResponse:
     manifest = model.manifest
     score = float(scored.scores[row])
+    engine, fallback_reason = scored.row_engine(row)
     decision: str
     if scored.degraded or math.isnan(score):
         decision = manifest.fallback_decision
@@ -159,8 +160,8 @@ def _response(
         decision=DECISIONS[decision],
         model=manifest.name,
         model_version=manifest.version,
-        engine=scored.engine,
-        fallback_reason=scored.fallback_reason,
+        engine=engine,
+        fallback_reason=fallback_reason,
         degraded=scored.degraded,
         timings=pb.Timings(
             total_us=int((time.perf_counter() - started) * 1e6),
