@@ -29,6 +29,7 @@ from service.shadow import (
     ShadowJob,
     ShadowRunner,
 )
+from service.telemetry import Telemetry
 
 __all__ = ["Experiments"]
 
@@ -48,14 +49,26 @@ class Experiments:
         *,
         max_queued_jobs: int,
         flush_interval_s: float,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self._registry = registry
         self._path = config_path
         self._mtime_ns = config_path.stat().st_mtime_ns
         self.router = ExperimentRouter(ExperimentConfig.from_json_file(config_path))
         self.log = ExperimentLog(log_prefix, flush_interval_s=flush_interval_s)
+        on_drop = None
+        if telemetry is not None:
+            metrics = telemetry.metrics
+
+            def on_drop(job: ShadowJob) -> None:
+                metrics.count_shadow_drop(job.model)
+
         self.runner = ShadowRunner(
-            self._score_challenger, self.log, self._thresholds, max_queued_jobs=max_queued_jobs
+            self._score_challenger,
+            self.log,
+            self._thresholds,
+            max_queued_jobs=max_queued_jobs,
+            on_drop=on_drop,
         )
         self._watcher: asyncio.Task[None] | None = None
 
