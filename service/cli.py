@@ -134,6 +134,13 @@ def _build_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stats(args: argparse.Namespace) -> int:
+    from service.telemetry import fetch_stats, format_stats
+
+    print(format_stats(fetch_stats(args.url, window_s=args.window_s)))
+    return 0
+
+
 def _shadow_report(args: argparse.Namespace) -> int:
     from service.shadow import run_shadow_report
 
@@ -168,6 +175,11 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--workspace-mib", type=int, default=1024)
     build.add_argument("--rebuild", action="store_true", help="rebuild current plans too")
     build.set_defaults(run=_build_engines, precision=None)
+
+    stats = sub.add_parser("stats", help="live p50/p99 per stage from a server's /metrics")
+    stats.add_argument("--url", default="http://127.0.0.1:9464/metrics")
+    stats.add_argument("--window-s", type=float, default=1.0, help="time between two scrapes")
+    stats.set_defaults(run=_stats)
 
     from service.shadow import configure_parser
 

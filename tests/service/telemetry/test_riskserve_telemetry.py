@@ -111,3 +111,51 @@ def test_prometheus_endpoint_counts_requests(models):
     assert value(r"riskserve_batch_size_count\{[^}]*\}") == 7
     assert value(r"riskserve_engine_duration_seconds_count\{[^}]*\}") == 7
     assert 'le="0.01"' in text  # buckets fit a 10 ms budget
+
+
+def test_stats_command_shows_live_percentiles(models):
+    import subprocess
+    import sys
+    import threading
+
+    factory, _ = fake_factory(base_s=0.002)
+    server = LiveServer(
+        engine_factory=factory,
+        models_dir=models,
+        default_model="seq-mini",
+        budget_ms=2000,
+        metrics_port=0,
+        warmup_iterations=0,
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        stop = threading.Event()
+
+        def load() -> None:
+            while not stop.is_set():
+                stub.Score(request(1), timeout=5)
+
+        worker = threading.Thread(target=load)
+        worker.start()
+        try:
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "service",
+                    "stats",
+                    "--url",
+                    server.server.telemetry.metrics_url,
+                    "--window-s",
+                    "1",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+        finally:
+            stop.set()
+            worker.join()
+    assert done.returncode == 0, done.stderr
+    assert "p99" in done.stdout
