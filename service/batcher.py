@@ -183,6 +183,8 @@ class MicroBatcher:
         self._ready = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._busy = 0
+        # Expected end (monotonic seconds) of each batch now running, by batch sequence number.
+        self._running_until: dict[int, float] = {}
         self._closing = False
 
     def run_batch(self, rows: RowBatch) -> BatchOutcome:
@@ -237,16 +239,23 @@ class MicroBatcher:
         return await future
 
     def _estimate_wait_s(self, batch: RowBatch) -> float:
-        """Time until `batch` would be done: the queue ahead in full batches, then its own."""
+        """Time until `batch` would be done: a worker to free up, the queue ahead, its own run."""
         model = self.time_model
         length = batch.history_length
         own = model.estimate_s(batch.rows, length)
         if self._busy < self._workers_n and not self._heap:
             return own
-        full = model.estimate_s(self.max_batch_rows, length)
-        batches_ahead = (self._queued_rows + batch.rows) / self.max_batch_rows
-        # Work already running holds each worker for about one more full batch at most.
-        return own + full * (batches_ahead + self._busy) / self._workers_n
+        now = time.monotonic()
+        # The soonest a worker frees: what the running batches were expected to take, less
+        # what they have run (a batch past its estimate counts as about to finish).
+        running = sorted(max(end - now, 0.0) for end in self._running_until.values())
+        free_in = 0.0 if len(running) < self._workers_n else running[0]
+        queued = self._queued_rows
+        full_batches, rest = divmod(queued, self.max_batch_rows)
+        ahead = full_batches * model.estimate_s(self.max_batch_rows, length)
+        if rest:
+            ahead += model.estimate_s(rest, length)
+        return free_in + ahead / self._workers_n + own
 
     def _shed(self, reason: str, rows: int) -> None:
         if self._telemetry is not None:
@@ -309,11 +318,16 @@ class MicroBatcher:
             jobs = self._take()
             if not jobs:
                 continue
+            rows = sum(j.batch.rows for j in jobs)
+            length = max(j.batch.history_length for j in jobs)
+            token = next(self._seq)
+            self._running_until[token] = time.monotonic() + self.time_model.estimate_s(rows, length)
             self._busy += 1
             try:
                 await self._execute(loop, jobs)
             finally:
                 self._busy -= 1
+                del self._running_until[token]
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
         merged_rows = sum(j.batch.rows for j in jobs)
