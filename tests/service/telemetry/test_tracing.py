@@ -85,14 +85,15 @@ def test_slow_and_failing_requests_arrive_with_their_span_tree(otlp_env):
 
 
 def test_fast_requests_follow_the_ratio_at_its_ends(otlp_env):
-    keep_all = setup_telemetry(_config(trace_sample_ratio=1.0))
+    # A slow threshold no request reaches, so a loaded machine cannot turn "ratio" into "slow".
+    keep_all = setup_telemetry(_config(trace_sample_ratio=1.0, trace_slow_ms=60_000.0))
     _run(keep_all, [b"sleep:0"] * 20)
     roots = [s for s in otlp_env.spans if s.parent_span_id == ""]
     assert len(roots) == 20
     assert {s.attributes[SAMPLED_REASON_ATTRIBUTE] for s in roots} == {"ratio"}
     assert len(otlp_env.spans) == 40  # each with its child span
 
-    keep_none = setup_telemetry(_config(trace_sample_ratio=0.0))
+    keep_none = setup_telemetry(_config(trace_sample_ratio=0.0, trace_slow_ms=60_000.0))
     stats_before = len(otlp_env.spans)
     _run(keep_none, [b"sleep:0"] * 20)
     assert len(otlp_env.spans) == stats_before
