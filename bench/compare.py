@@ -38,7 +38,7 @@ from bench.model_io import (
 )
 from bench.peers.mlserver.launch import MLServerConfig, mlserver_spec
 from bench.peers.triton import TritonConfig, triton_spec
-from bench.results import PointResult, best_rate_under_budget
+from bench.results import PointResult, best_rate_under_budget, floats
 from bench.servers import ServerProcess, ServerSpec, free_port
 
 __all__ = ["main"]
@@ -363,10 +363,6 @@ def plot(records: Sequence[dict], args: argparse.Namespace, path: Path) -> Path 
     return path
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -376,7 +372,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--servers", default=",".join(ALL_SERVERS), help="comma-separated")
     parser.add_argument("--client", choices=("loadgen", "perf_analyzer"), default="loadgen")
     parser.add_argument("--model", type=Path, default=None, help="ONNX file (default: demo model)")
-    parser.add_argument("--rates", type=_floats, default=[250, 500, 1000, 1500, 2000, 3000])
+    parser.add_argument("--rates", type=floats, default=[250, 500, 1000, 1500, 2000, 3000])
     parser.add_argument("--concurrency", type=_ints, default=[1, 8])
     parser.add_argument("--duration-s", type=float, default=5.0, help="per load point")
     parser.add_argument("--max-requests", type=int, default=50_000, help="per load point")

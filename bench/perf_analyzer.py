@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.model_io import REPO_ROOT, make_request_arrays, read_model_io, resolve_model_path
-from bench.results import PointResult, best_rate_under_budget
+from bench.results import PointResult, add_sweep_arguments, report_sweep
 
 __all__ = ["PerfAnalyzer", "PerfPlan", "main"]
 
@@ -235,25 +235,11 @@ def _last_number(pattern: str, text: str) -> float:
     return float(found[-1]) if found else math.nan
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x.strip()]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", required=True, help="host:port of an OIP gRPC server")
-    parser.add_argument("--model-name", default="fraud-demo")
-    parser.add_argument(
-        "--model", type=Path, default=None, help="ONNX file the inputs are shaped for"
-    )
-    parser.add_argument("--rates", type=_floats, default=[], help="comma-separated req/s")
-    parser.add_argument("--concurrency", type=_floats, default=[], help="comma-separated callers")
+    add_sweep_arguments(parser)
     parser.add_argument("--window-s", type=float, default=2.0)
     parser.add_argument("--windows", type=int, default=3)
-    parser.add_argument("--history-len", type=int, default=32)
-    parser.add_argument("--budget-ms", type=float, default=10.0)
-    parser.add_argument("--max-error-rate", type=float, default=0.001)
-    parser.add_argument("--json", type=Path, default=None, help="write the points here")
     args = parser.parse_args(argv)
     plan = PerfPlan(
         target=args.target,
@@ -266,14 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         points = analyzer.sweep(
             args.rates, [int(c) for c in args.concurrency], args.budget_ms, args.max_error_rate
         )
-    best = best_rate_under_budget(points, args.budget_ms, args.max_error_rate)
-    print(
-        f"highest rate with p99 <= {args.budget_ms:g} ms and errors <= {args.max_error_rate:.2%}: "
-        + (f"{best.load:g} req/s" if best else "none of the rates tried")
-    )
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps([p.as_dict() for p in points], indent=2))
+    report_sweep(points, args)
     return 0
 
 

@@ -6,14 +6,25 @@ errors always puts p99 over any budget, and the error-rate limit catches smaller
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-__all__ = ["PointResult", "best_rate_under_budget", "percentiles_ms", "summarize"]
+__all__ = [
+    "PointResult",
+    "add_sweep_arguments",
+    "best_rate_under_budget",
+    "floats",
+    "percentiles_ms",
+    "report_sweep",
+    "summarize",
+]
 
 PERCENTILES = (50.0, 90.0, 99.0, 99.9)
 
@@ -135,3 +146,35 @@ def best_rate_under_budget(
         if p.mode == "rate" and p.p99_ms <= budget_ms and p.error_rate <= max_error_rate
     ]
     return max(passing, key=lambda p: p.load, default=None)
+
+
+def floats(text: str) -> list[float]:
+    """A comma-separated list of numbers, as the sweep options take them."""
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every load client's command line shares: target, model, sweep, budget."""
+    parser.add_argument("--target", required=True, help="host:port of an OIP gRPC server")
+    parser.add_argument("--model-name", default="fraud-demo")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="ONNX file the inputs are shaped for"
+    )
+    parser.add_argument("--rates", type=floats, default=[], help="comma-separated req/s")
+    parser.add_argument("--concurrency", type=floats, default=[], help="comma-separated callers")
+    parser.add_argument("--history-len", type=int, default=32)
+    parser.add_argument("--budget-ms", type=float, default=10.0)
+    parser.add_argument("--max-error-rate", type=float, default=0.001)
+    parser.add_argument("--json", type=Path, default=None, help="write the points here")
+
+
+def report_sweep(points: Sequence[PointResult], args: argparse.Namespace) -> None:
+    """Print the highest rate within budget and write the points where `--json` says."""
+    best = best_rate_under_budget(points, args.budget_ms, args.max_error_rate)
+    print(
+        f"highest rate with p99 <= {args.budget_ms:g} ms and errors <= {args.max_error_rate:.2%}: "
+        + (f"{best.load:g} req/s" if best else "none of the rates tried")
+    )
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps([p.as_dict() for p in points], indent=2))
