@@ -23,6 +23,19 @@ def request(i: int) -> pb.ScoreRequest:
     )
 
 
+def serve(models, engine_options: dict, **settings) -> LiveServer:
+    """A live riskserve over seq-mini with a FakeEngine, generous budget, no warm-up."""
+    factory, _ = fake_factory(**engine_options)
+    settings.setdefault("warmup_iterations", 0)
+    return LiveServer(
+        engine_factory=factory,
+        models_dir=models,
+        default_model="seq-mini",
+        budget_ms=2000,
+        **settings,
+    )
+
+
 @pytest.fixture()
 def models(tmp_path):
     write_sequence_model(tmp_path)
@@ -32,16 +45,7 @@ def models(tmp_path):
 def test_slow_and_failed_requests_arrive_with_batch_spans(otlp_env, models):
     # Engine 30 ms against a slow threshold of 10 ms: every scored request is slow; ratio 0
     # drops everything else, so exactly the slow and the failed traces must arrive.
-    factory, _ = fake_factory(base_s=0.03)
-    server = LiveServer(
-        engine_factory=factory,
-        models_dir=models,
-        default_model="seq-mini",
-        budget_ms=2000,
-        trace_slow_ms=10,
-        trace_sample_ratio=0.0,
-        warmup_iterations=0,
-    )
+    server = serve(models, {"base_s": 0.03}, trace_slow_ms=10, trace_sample_ratio=0.0)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         for i in range(3):
@@ -82,15 +86,7 @@ async def _noop() -> None:
 
 
 def test_prometheus_endpoint_counts_requests(models):
-    factory, _ = fake_factory()
-    server = LiveServer(
-        engine_factory=factory,
-        models_dir=models,
-        default_model="seq-mini",
-        budget_ms=2000,
-        metrics_port=0,
-        warmup_iterations=0,
-    )
+    server = serve(models, {}, metrics_port=0)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         for i in range(7):
@@ -118,15 +114,7 @@ def test_stats_command_shows_live_percentiles(models):
     import sys
     import threading
 
-    factory, _ = fake_factory(base_s=0.002)
-    server = LiveServer(
-        engine_factory=factory,
-        models_dir=models,
-        default_model="seq-mini",
-        budget_ms=2000,
-        metrics_port=0,
-        warmup_iterations=0,
-    )
+    server = serve(models, {"base_s": 0.002}, metrics_port=0)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         stop = threading.Event()
