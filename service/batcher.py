@@ -220,7 +220,7 @@ class MicroBatcher:
         if self._closing:
             raise Unavailable("server is shutting down")
         if self._queued_rows + batch.rows > self.max_queue_rows and self._queued_rows > 0:
-            self._shed("queue_full", batch.rows)
+            self._shed("queue_full")
             raise Overloaded(
                 f"queue holds {self._queued_rows} rows, limit {self.max_queue_rows}; retry later"
             )
@@ -229,7 +229,7 @@ class MicroBatcher:
         context = current_span_context() if self._telemetry is not None else None
         job = _Job(deadline, next(self._seq), batch, now, future, context)
         if now + self._estimate_wait_s(batch) > deadline:
-            self._shed("deadline", batch.rows)
+            self._shed("deadline")
             if self._degrade:
                 return self._degraded(job, now)
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
@@ -257,7 +257,7 @@ class MicroBatcher:
             ahead += model.estimate_s(rest, length)
         return free_in + ahead / self._workers_n + own
 
-    def _shed(self, reason: str, rows: int) -> None:
+    def _shed(self, reason: str) -> None:
         if self._telemetry is not None:
             self._telemetry.metrics.count_shed(self._model, reason)
 
@@ -285,7 +285,7 @@ class MicroBatcher:
                 continue
             if now + model.estimate_s(job.batch.rows, job.batch.history_length) > job.deadline:
                 self._pop()
-                self._shed("deadline", job.batch.rows)
+                self._shed("deadline")
                 if self._degrade:
                     job.future.set_result(self._degraded(job, now))
                 else:

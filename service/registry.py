@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,6 @@ class ModelVersion:
     path: Path
     pool: EnginePool
     batcher: MicroBatcher
-    loaded_at: float = field(default_factory=time.time)
 
     @property
     def name(self) -> str:
@@ -69,9 +68,6 @@ class ModelVersion:
     @property
     def version(self) -> str:
         return self.manifest.version
-
-    def run_batch(self, rows: RowBatch) -> BatchOutcome:
-        return self.batcher.run_batch(rows)
 
     def engines(self) -> Iterator[Engine]:
         """Every engine of the pool in the order tried, the fallback last, each once."""
@@ -312,7 +308,7 @@ class ModelRegistry:
         for _ in range(self._warmup_iterations):
             for rows in sizes:
                 batch = _warmup_rows(manifest, rows, length)
-                outcome = model.run_batch(batch)
+                outcome = model.batcher.run_batch(batch)
                 time_model.observe(rows, length, outcome.engine_s)
 
 
