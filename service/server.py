@@ -130,9 +130,11 @@ async def build_server(
 ) -> RiskServer:
     """Load the models, wire the servicers and start listening.
 
-    `engine_factory` builds each model version's engines; the default is ONNX Runtime.
+    `engine_factory` builds each model version's engines; the default offers validated
+    TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     """
     telemetry = setup_telemetry(telemetry_config(settings))
+    traced = telemetry if settings.tracing else None
     workers = settings.engine_workers or 2
     executor = ThreadPoolExecutor(max_workers=max(workers * 2, 2), thread_name_prefix="engine")
     if engine_factory is None:
@@ -153,7 +155,7 @@ async def build_server(
         max_queue_delay_s=settings.max_queue_delay_us / 1e6,
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
-        telemetry=telemetry if settings.tracing else None,
+        telemetry=traced,
     )
     await registry.load_dir(settings.models_dir)
     experiments = None
@@ -174,7 +176,6 @@ async def build_server(
         ("grpc.so_reuseport", 1 if settings.processes > 1 else 0),
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
     ]
-    traced = telemetry if settings.tracing else None
     interceptors: list[grpc.aio.ServerInterceptor] = (
         [telemetry.interceptor()] if traced is not None else []
     )
