@@ -1,8 +1,9 @@
 """Champion/challenger experiments wired to the registry: routing, logging, shadow scoring.
 
-The handlers ask `serving_version` which version answers a request and call `record` after
-scoring; everything else (challenger scoring, Parquet writing) happens off the hot path. The
-experiments file is re-read when it changes, so arms change at run time without a restart.
+The handlers ask `route` which version answers a request and call `record` after scoring;
+everything else happens off the hot path: the served records are written by a log thread, and
+challengers score in a separate lowest-priority process (`ShadowRunner`). The experiments file
+is re-read when it changes, so arms change at run time without a restart.
 """
 
 from __future__ import annotations
@@ -10,13 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
-from engines.manifest import Thresholds
 from service.batcher import Scored
 from service.codec import RowBatch
 from service.registry import ModelRegistry, ModelVersion, model_feed
@@ -34,8 +32,6 @@ from service.telemetry import Telemetry
 __all__ = ["Experiments"]
 
 log = logging.getLogger(__name__)
-
-SHADOW_BUDGET_S = 1.0  # challengers are not on the caller's clock, but must not pile up
 
 
 class Experiments:
@@ -56,19 +52,14 @@ class Experiments:
         self._mtime_ns = config_path.stat().st_mtime_ns
         self.router = ExperimentRouter(ExperimentConfig.from_json_file(config_path))
         self.log = ExperimentLog(log_prefix, flush_interval_s=flush_interval_s)
-        on_drop = None
-        if telemetry is not None:
-            metrics = telemetry.metrics
-
-            def on_drop(job: ShadowJob) -> None:
-                metrics.count_shadow_drop(job.model)
-
+        self._metrics = telemetry.metrics if telemetry is not None else None
+        # The worker process writes the challenger records as a replica of its own.
         self.runner = ShadowRunner(
-            self._score_challenger,
-            self.log,
-            self._thresholds,
+            self._version_dir,
+            log_prefix,
+            replica_id=f"{self.log.replica_id}-shadow",
+            flush_interval_s=flush_interval_s,
             max_queued_jobs=max_queued_jobs,
-            on_drop=on_drop,
         )
         self._watcher: asyncio.Task[None] | None = None
 
@@ -83,6 +74,7 @@ class Experiments:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
         await self.runner.close(timeout_s)
+        await self._publish_drops()
         await asyncio.to_thread(self.log.close, timeout_s)
 
     def route(self, model: str, entity_id: str) -> Route:
@@ -120,7 +112,11 @@ class Experiments:
                     served=True,
                 )
             )
-        if route.shadow_versions:
+        if not route.shadow_versions:
+            return
+        if self.runner.full:
+            self.runner.drop(model.name)  # all a full shadow queue costs the champion
+        else:
             self.runner.submit(
                 ShadowJob(
                     model=model.name,
@@ -135,27 +131,24 @@ class Experiments:
                 )
             )
 
-    def _thresholds(self, model: str, version: str) -> Thresholds:
-        return self._registry.get(model, version).manifest.thresholds
+    def _version_dir(self, model: str, version: str) -> Path:
+        return self._registry.get(model, version).path
 
-    async def _score_challenger(
-        self, model: str, version: str, inputs: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, str, float]:
-        challenger = self._registry.get(model, version)
-        manifest = challenger.manifest
-        spec = manifest.history
-        rows = RowBatch(
-            inputs[manifest.features_input],
-            inputs[spec.input] if spec else None,
-            inputs[spec.mask_input] if spec else None,
-        )
-        started = time.perf_counter()
-        scored = await challenger.batcher.submit(rows, time.monotonic() + SHADOW_BUDGET_S)
-        return scored.scores, scored.engine, time.perf_counter() - started
+    async def _publish_drops(self, calls_per_turn: int = 32) -> None:
+        # An SDK counter's add costs several µs: done here, spread over loop turns, not on the
+        # request that was dropped.
+        if self._metrics is None:
+            return
+        for model, jobs in self.runner.take_drops().items():
+            for i in range(jobs):
+                self._metrics.count_shadow_drop(model)
+                if i % calls_per_turn == calls_per_turn - 1:
+                    await asyncio.sleep(0)
 
     async def _watch(self, interval_s: float = 1.0) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            await self._publish_drops()
             try:
                 mtime_ns = self._path.stat().st_mtime_ns
                 if mtime_ns == self._mtime_ns:

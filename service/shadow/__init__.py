@@ -5,11 +5,12 @@ from service.shadow.dataset import AmbiguousExperiment, read_records
 from service.shadow.errors import ExperimentConfigError, LabelsError, NoRecords, ShadowError
 from service.shadow.experiment import ExperimentConfig, ExperimentRouter, ModelExperiment, Route
 from service.shadow.html import render_html
+from service.shadow.job import ShadowJob
 from service.shadow.labels import read_labels
 from service.shadow.log import ExperimentLog
 from service.shadow.record import RECORD_SCHEMA, ExperimentRecord
 from service.shadow.report import ArmSummary, Comparison, Report, build_report
-from service.shadow.runner import ScoreFn, ShadowJob, ShadowRunner
+from service.shadow.runner import ShadowRunner
 from service.shadow.stats import Interval
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "NoRecords",
     "Report",
     "Route",
-    "ScoreFn",
     "ShadowError",
     "ShadowJob",
     "ShadowRunner",

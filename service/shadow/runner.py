@@ -1,8 +1,14 @@
-"""`ShadowRunner`: score challengers on copies of served requests, off the hot path.
+"""`ShadowRunner`: hand shadow jobs to a separate, lowest-priority worker process.
 
-The handler calls `submit` (non-blocking, never awaits); a small fixed set of worker tasks
-takes jobs from a bounded queue, awaits the injected `score_fn` for each challenger version,
-and logs one challenger record per row. A full queue drops the job and counts it.
+The server's only work per job is `submit`: encode the validated arrays (about 2 µs) and a
+non-blocking write to a socket pair. When `max_queued_jobs` jobs are in flight (written and not
+yet acknowledged, wherever they are: the socket, the worker's pass, its engine), the next job
+is dropped and counted: a comparison and two integer increments. The worker
+(`service.shadow.worker`) scores, logs the challenger records as its own replica under the
+same log prefix, and acknowledges with counts, which the event loop reads without blocking.
+
+If the worker dies, its jobs in flight are counted as dropped and a new one is started after a
+back-off; the champion never waits on any of this.
 """
 
 from __future__ import annotations
@@ -10,175 +16,276 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-import numpy as np
+from service.shadow.channel import FrameDecoder, encode_job, frame
+from service.shadow.job import ShadowJob
+from service.shadow.priority import lower_priority
 
-from engines.manifest import Thresholds
-from service.shadow.log import ExperimentLog
-from service.shadow.record import ExperimentRecord
-
-__all__ = ["ScoreFn", "ShadowJob", "ShadowRunner"]
+__all__ = ["ShadowRunner"]
 
 _log = logging.getLogger(__name__)
 
-ScoreFn = Callable[[str, str, Mapping[str, np.ndarray]], Awaitable[tuple[np.ndarray, str, float]]]
-"""``score_fn(model, version, inputs) -> (scores, engine_name, latency_s)``; one score per row."""
+VersionDir = Callable[[str, str], Path]
+"""``version_dir(model, version)`` -> the model version's folder; raises if it is not loaded."""
 
 
-@dataclass(frozen=True, slots=True)
-class ShadowJob:
-    """One served request (or batch) to score again with the challenger versions.
+class _WorkerProtocol(asyncio.Protocol):
+    def __init__(self, on_message: Callable[[tuple[Any, ...]], None]) -> None:
+        self._on_message = on_message
+        self._decoder = FrameDecoder()
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    `inputs` hold the already-validated arrays, batch dimension first, one row per
-    `request_ids` entry; `champion_scores` are what `champion_version` served, row by row.
-    """
+    def data_received(self, data: bytes) -> None:
+        self._decoder.feed(data)
+        for message in self._decoder.messages():
+            self._on_message(message)
 
-    model: str
-    experiment: str
-    versions: tuple[str, ...]
-    request_ids: tuple[str, ...]
-    entity_ids: tuple[str, ...]
-    inputs: Mapping[str, np.ndarray]
-    champion_scores: np.ndarray
-    champion_version: str
-    mode: Literal["shadow", "ab"] = "shadow"
+    def eof_received(self) -> bool:
+        return False  # close the transport: the worker has finished
 
-    def __post_init__(self) -> None:
-        rows = len(self.request_ids)
-        if len(self.entity_ids) != rows or len(self.champion_scores) != rows:
-            raise ValueError("request_ids, entity_ids and champion_scores must align")
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
 
 
 class ShadowRunner:
-    """Bounded queue plus `workers` tasks; counters are plain ints read by metrics."""
+    """One worker process, bounded jobs in flight, plain-int counters read by metrics."""
 
     def __init__(
         self,
-        score_fn: ScoreFn,
-        log: ExperimentLog,
-        thresholds_for: Callable[[str, str], Thresholds],
+        version_dir: VersionDir,
+        log_prefix: str,
         *,
+        replica_id: str,
+        flush_interval_s: float = 1.0,
         max_queued_jobs: int = 1024,
-        workers: int = 1,
-        on_drop: Callable[[ShadowJob], None] | None = None,
+        restart_delay_s: float = 1.0,
+        max_restart_delay_s: float = 60.0,
     ) -> None:
-        if max_queued_jobs <= 0 or workers <= 0:
-            raise ValueError("max_queued_jobs and workers must be positive")
-        self._score_fn = score_fn
-        self._log = log
-        self._thresholds_for = thresholds_for
-        self._on_drop = on_drop
-        self._queue: asyncio.Queue[ShadowJob] = asyncio.Queue(maxsize=max_queued_jobs)
-        self._workers_wanted = workers
-        self._tasks: list[asyncio.Task[None]] = []
+        if max_queued_jobs <= 0:
+            raise ValueError("max_queued_jobs must be positive")
+        self._version_dir = version_dir
+        self._config = ("config", log_prefix, replica_id, flush_interval_s)
+        self.max_queued_jobs = max_queued_jobs
+        self._restart_delay_s = restart_delay_s
+        self._max_restart_delay_s = max_restart_delay_s
+        self._transport: asyncio.Transport | None = None
         self._accepting = False
+        self._unsent: list[bytes] = []  # written while the socket is being connected
+        self._announced: set[tuple[str, str]] = set()
+        self._unknown: set[tuple[str, str]] = set()
+        self._in_flight: dict[str, int] = {}
+        self.in_flight = 0
+        self._new_drops: dict[str, int] = {}
+        self._supervisor: asyncio.Task[None] | None = None
+        self._closing = False
+        self.worker_pid: int | None = None
         self.submitted = 0
         self.dropped = 0
         self.completed = 0
         self.failed = 0
         self.decision_flips = 0
+        self.worker_exits = 0
 
     @property
-    def queued(self) -> int:
-        return self._queue.qsize()
+    def full(self) -> bool:
+        """True when the next job would be dropped (jobs in flight at the bound, or no worker)."""
+        return self.in_flight >= self.max_queued_jobs or not self._accepting or self._closing
 
-    def start(self) -> None:
-        """Start the workers; call from inside the running event loop."""
-        if self._tasks:
-            return
-        loop = asyncio.get_running_loop()
-        self._tasks = [
-            loop.create_task(self._work(), name=f"shadow-worker-{i}")
-            for i in range(self._workers_wanted)
-        ]
-        self._accepting = True
+    def drop(self, model: str, jobs: int = 1) -> None:
+        """Count dropped jobs; this is all a full queue costs the server."""
+        self.dropped += jobs
+        self._new_drops[model] = self._new_drops.get(model, 0) + jobs
+
+    def take_drops(self) -> dict[str, int]:
+        """Jobs dropped per model since the last call (to feed a metric off the hot path)."""
+        drops, self._new_drops = self._new_drops, {}
+        return drops
 
     def submit(self, job: ShadowJob) -> bool:
-        """Queue a job without waiting; False (counted, `on_drop` called) when full or closed."""
-        if self._accepting:
-            try:
-                self._queue.put_nowait(job)
-                self.submitted += 1
-                return True
-            except asyncio.QueueFull:
-                pass
-        self.dropped += 1
-        if self._on_drop is not None:
-            self._on_drop(job)
-        return False
+        """Send a job without waiting; False (and counted) when full, closed or not loaded."""
+        if self.full or not self._announce(job):
+            self.drop(job.model)
+            return False
+        self._write(encode_job(job))
+        self.submitted += 1
+        self.in_flight += 1
+        self._in_flight[job.model] = self._in_flight.get(job.model, 0) + 1
+        return True
+
+    def start(self) -> None:
+        """Start the worker process and its supervisor; call inside the running event loop.
+
+        Jobs are accepted from now on; those sent before the worker is up wait for it.
+        """
+        if self._supervisor is None:
+            self._begin_worker()
+            self._supervisor = asyncio.get_running_loop().create_task(
+                self._supervise(), name="shadow-supervisor"
+            )
 
     async def close(self, timeout_s: float = 5.0) -> None:
-        """Stop accepting, let the workers drain the queue for up to `timeout_s`, then cancel.
+        """Refuse new jobs; let the worker score, log and acknowledge what it has, then exit.
 
-        Jobs still queued when the time is up are counted as dropped.
+        Jobs not acknowledged within `timeout_s` are counted as dropped (the worker is killed).
         """
-        self._accepting = False
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._queue.join(), timeout_s)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        while not self._queue.empty():
-            self._queue.get_nowait()
-            self._queue.task_done()
-            self.dropped += 1
+        self._closing = True
+        transport = self._transport
+        if self._supervisor is None:
+            return
+        if not self._accepting:  # the worker died: its jobs are already counted
+            self._kill()
+            self._supervisor.cancel()
+        elif transport is not None:  # else the worker being started gets the end of input
+            transport.write_eof()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._supervisor), timeout_s)
+        except TimeoutError:
+            _log.warning("shadow worker did not finish within %.1f s; killing it", timeout_s)
+            self._kill()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._supervisor
+        self._lose_in_flight()
 
-    async def _work(self) -> None:
-        while True:
-            job = await self._queue.get()
+    def _begin_worker(self) -> None:
+        self._accepting = True
+        self._announced = set()
+        self._unsent = [frame(self._config)]
+
+    def _write(self, data: bytes) -> None:
+        if self._transport is not None:
+            self._transport.write(data)
+        else:
+            self._unsent.append(data)
+
+    def _announce(self, job: ShadowJob) -> bool:
+        for version in (job.champion_version, *job.versions):
+            key = (job.model, version)
+            if key in self._announced:
+                continue
             try:
-                await self._score(job)
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # a challenger failure must never surface anywhere else
-                self.failed += 1
-                _log.exception("shadow scoring of %s failed", job.model)
-            else:
-                self.completed += 1
-            finally:
-                self._queue.task_done()
+                model_dir = self._version_dir(*key)
+            except Exception:
+                if key not in self._unknown:
+                    self._unknown.add(key)
+                    _log.warning("shadow copies of %s dropped: version %s is not loaded", *key)
+                return False
+            self._write(frame(("version", job.model, version, str(model_dir))))
+            self._announced.add(key)
+        return True
 
-    async def _score(self, job: ShadowJob) -> None:
-        champion = self._thresholds_for(job.model, job.champion_version)
-        for version in job.versions:
-            scores, engine, latency_s = await self._score_fn(job.model, version, job.inputs)
-            thresholds = self._thresholds_for(job.model, version)
-            rows = np.asarray(scores, dtype=np.float64).reshape(-1)
-            self._log_rows(job, version, rows, engine, latency_s * 1e3, thresholds, champion)
+    def _on_message(self, message: tuple[Any, ...]) -> None:
+        if message[0] != "done":
+            raise ValueError(f"unexpected message from the shadow worker: {message[0]!r}")
+        _, completed, failed, flips = message
+        for counts in (completed, failed):
+            for model, jobs in counts.items():
+                self._in_flight[model] = self._in_flight.get(model, 0) - jobs
+                self.in_flight -= jobs
+        self.completed += sum(completed.values())
+        self.failed += sum(failed.values())
+        self.decision_flips += flips
 
-    def _log_rows(
-        self,
-        job: ShadowJob,
-        version: str,
-        scores: np.ndarray,
-        engine: str,
-        latency_ms: float,
-        thresholds: Thresholds,
-        champion: Thresholds,
-    ) -> None:
-        if len(scores) != len(job.request_ids):
-            raise ValueError(f"{len(scores)} scores for {len(job.request_ids)} rows")
-        for row, score in enumerate(scores.tolist()):
-            decision = thresholds.decide(score)
-            if decision != champion.decide(float(job.champion_scores[row])):
-                self.decision_flips += 1
-            self._log.log(
-                ExperimentRecord(
-                    request_id=job.request_ids[row],
-                    entity_id=job.entity_ids[row],
-                    experiment=job.experiment,
-                    model=job.model,
-                    arm="challenger",
-                    version=version,
-                    score=score,
-                    decision=decision,
-                    engine=engine,
-                    latency_ms=latency_ms,
-                    mode=job.mode,
-                    served=False,
-                )
+    def _lose_in_flight(self) -> None:
+        for model, jobs in self._in_flight.items():
+            if jobs > 0:
+                self.drop(model, jobs)
+        self._in_flight.clear()
+        self.in_flight = 0
+
+    def _kill(self) -> None:
+        if self.worker_pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.worker_pid, signal.SIGKILL)
+
+    async def _supervise(self) -> None:
+        delay_s = self._restart_delay_s
+        while True:
+            if not self._accepting:
+                if self._closing:
+                    return
+                self._begin_worker()
+            started = time.monotonic()
+            try:
+                code: int | None = await self._run_worker()
+            except Exception:
+                _log.exception("shadow worker failed")
+                code = None
+            if self._closing:
+                return
+            self.worker_exits += 1
+            lost = self.in_flight
+            self._lose_in_flight()
+            if time.monotonic() - started > self._max_restart_delay_s:
+                delay_s = self._restart_delay_s
+            _log.error(
+                "shadow worker exited (status %s); %d jobs in flight counted as dropped; "
+                "restarting in %.0f s",
+                code,
+                lost,
+                delay_s,
             )
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, self._max_restart_delay_s)
+
+    async def _run_worker(self) -> int:
+        # The socket is connected before the process exists: jobs accepted meanwhile wait in it.
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        with theirs:
+            try:
+                transport, protocol = await loop.create_unix_connection(
+                    lambda: _WorkerProtocol(self._on_message), sock=ours
+                )
+            except BaseException:
+                ours.close()
+                raise
+            transport.writelines(self._unsent)
+            self._unsent = []
+            self._transport = transport
+            try:
+                pid = await self._spawn(theirs)
+            except BaseException:
+                self._accepting = False
+                self._transport = None
+                transport.close()
+                raise
+            if self._closing:
+                transport.write_eof()
+        self.worker_pid = pid
+        _log.info("shadow worker %d started", pid)
+        try:
+            await protocol.lost
+        finally:
+            self._accepting = False
+            self._transport = None
+            transport.close()
+            code = await self._reap(pid)
+            self.worker_pid = None
+        return code
+
+    @staticmethod
+    async def _spawn(sock: socket.socket) -> int:
+        sock.set_inheritable(True)
+        argv = [sys.executable, "-m", "service.shadow.worker", "--fd", str(sock.fileno())]
+        # posix_spawn, not fork: this process runs gRPC and engine threads.
+        pid = await asyncio.to_thread(os.posix_spawn, sys.executable, argv, os.environ, setsid=True)
+        lower_priority(pid)  # before the new interpreter has done much at normal priority
+        return pid
+
+    async def _reap(self, pid: int) -> int:
+        # The worker closes its socket only when it exits; make sure of it, then collect it.
+        waiter = asyncio.ensure_future(asyncio.to_thread(os.waitpid, pid, 0))
+        done, _ = await asyncio.wait({waiter}, timeout=10.0)
+        if not done:
+            self._kill()
+        _, status = await waiter
+        return os.waitstatus_to_exitcode(status)

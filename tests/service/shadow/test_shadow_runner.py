@@ -1,119 +1,172 @@
+"""`ShadowRunner` with its real worker process and real ONNX Runtime on small models."""
+
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
+import onnxruntime as ort
 import pyarrow.dataset as pads
+import pytest
+from modelkit import write_sequence_model
 
-from engines.manifest import Thresholds
-from service.shadow import ExperimentLog, ShadowJob, ShadowRunner
+from service.shadow import ShadowJob, ShadowRunner
 
-THRESHOLDS = Thresholds(review=0.5, decline=0.8)
+MODEL = "seq-mini"
 
 
-def job(i: int, rows: int = 1) -> ShadowJob:
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    write_sequence_model(root, version="1", seed=1)
+    write_sequence_model(root, version="2", seed=2)
+    return root
+
+
+def job(i: int, rows: int = 1, length: int = 3, versions: tuple[str, ...] = ("2",)) -> ShadowJob:
+    rng = np.random.default_rng(i)
     return ShadowJob(
-        model="fraud-demo",
-        experiment="fraud-demo",
-        versions=("2",),
+        model=MODEL,
+        experiment="exp",
+        versions=versions,
         request_ids=tuple(f"r{i}-{k}" for k in range(rows)),
         entity_ids=tuple(f"e{i}" for _ in range(rows)),
-        inputs={"features": np.full((rows, 3), i / 100.0, dtype=np.float32)},
-        champion_scores=np.full(rows, 0.1),
+        inputs={
+            "features": rng.normal(size=(rows, 4)).astype(np.float32),
+            "history": rng.normal(size=(rows, length, 3)).astype(np.float32),
+            "history_mask": np.ones((rows, length), dtype=np.float32),
+        },
+        champion_scores=np.full(rows, 0.1, dtype=np.float32),
         champion_version="1",
     )
 
 
-class FakeChallenger:
-    """Scores = mean of the features row; waits on a gate so a test controls when work runs."""
-
-    def __init__(self) -> None:
-        self.gate = asyncio.Event()
-        self.calls = 0
-
-    async def __call__(
-        self, model: str, version: str, inputs: Mapping[str, np.ndarray]
-    ) -> tuple[np.ndarray, str, float]:
-        self.calls += 1
-        await self.gate.wait()
-        if inputs["features"][0, 0] == np.float32(0.13):
-            raise RuntimeError("challenger engine broke")
-        return inputs["features"].mean(axis=1) * 10, "fake-cpu", 0.004
+def direct(model_dir: Path, shadow: ShadowJob) -> np.ndarray:
+    session = ort.InferenceSession(
+        str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    return session.run(["score"], dict(shadow.inputs))[0].reshape(-1)
 
 
-def read(prefix: Path) -> list[dict[str, object]]:
-    return pads.dataset(prefix, format="parquet").to_table().drop_columns(["time"]).to_pylist()
+def runner_for(models: Path, logs: Path, **options: float) -> ShadowRunner:
+    def version_dir(model: str, version: str) -> Path:
+        path = models / model / version
+        if not path.is_dir():
+            raise LookupError(version)
+        return path
+
+    return ShadowRunner(version_dir, str(logs), replica_id="host-1-shadow", **options)  # type: ignore[arg-type]
 
 
-def test_full_queue_drops_and_counts_and_close_drains(tmp_path: Path) -> None:
-    async def scenario() -> tuple[ShadowRunner, list[ShadowJob], list[bool]]:
-        fake = FakeChallenger()
-        log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60)
-        dropped: list[ShadowJob] = []
-        runner = ShadowRunner(
-            fake, log, lambda model, version: THRESHOLDS, max_queued_jobs=3,
-            on_drop=dropped.append,
-        )  # fmt: skip
-        runner.start()
-        first = runner.submit(job(0))
-        await asyncio.sleep(0)  # the worker takes job 0 and blocks on the gate
-        accepted = [first] + [runner.submit(job(i)) for i in range(1, 8)]
-        fake.gate.set()
-        await runner.close(timeout_s=5)
-        log.close()
-        return runner, dropped, accepted
-
-    runner, dropped, accepted = asyncio.run(scenario())
-    assert accepted == [True, True, True, True, False, False, False, False]
-    assert runner.dropped == 4 and [j.request_ids[0] for j in dropped] == [
-        "r4-0", "r5-0", "r6-0", "r7-0"
-    ]  # fmt: skip
-    assert runner.completed == 4 and runner.failed == 0
-    rows = sorted(read(tmp_path), key=lambda r: str(r["request_id"]))
-    assert [r["request_id"] for r in rows] == ["r0-0", "r1-0", "r2-0", "r3-0"]
-    assert {(r["arm"], r["version"], r["engine"], r["served"]) for r in rows} == {
-        ("challenger", "2", "fake-cpu", False)
-    }
-    assert [r["decision"] for r in rows] == ["APPROVE", "APPROVE", "APPROVE", "APPROVE"]
-    assert rows[3]["score"] == np.float32(0.03) * 10
-    assert rows[0]["latency_ms"] == 4.0
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
 
 
-def test_batches_log_one_record_per_row_and_failures_are_contained(tmp_path: Path) -> None:
+def records(logs: Path) -> list[dict[str, object]]:
+    table = pads.dataset(logs, format="parquet").to_table().drop_columns(["time"])
+    return sorted(table.to_pylist(), key=lambda r: str(r["request_id"]))
+
+
+def run(scenario: Callable[[], Awaitable[ShadowRunner]]) -> ShadowRunner:
+    return asyncio.run(scenario())  # type: ignore[arg-type]
+
+
+def test_worker_process_scores_merged_jobs_and_logs_each_row(models: Path, tmp_path: Path):
+    jobs = [job(i, rows=1 + i % 3, length=1 + i % 5) for i in range(12)]
+
     async def scenario() -> ShadowRunner:
-        fake = FakeChallenger()
-        fake.gate.set()
-        log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60)
-        runner = ShadowRunner(fake, log, lambda m, v: THRESHOLDS, workers=2)
+        runner = runner_for(models, tmp_path)
         runner.start()
-        assert runner.submit(job(13))  # raises inside score_fn
-        assert runner.submit(job(60, rows=4))  # scores 6.0: DECLINE vs champion APPROVE
-        await runner.close(timeout_s=5)
-        assert not runner.submit(job(1))  # closed: refused and counted
-        log.close()
+        assert all([runner.submit(j) for j in jobs])  # sent together: merged, padded
+        await until(lambda: runner.completed == len(jobs))
+        pid = runner.worker_pid
+        await runner.close(timeout_s=30)
+        assert pid is not None and pid != os.getpid()
         return runner
 
-    runner = asyncio.run(scenario())
+    runner = run(scenario)
+    assert (runner.submitted, runner.completed, runner.failed, runner.dropped) == (12, 12, 0, 0)
+    assert runner.in_flight == 0 and runner.worker_pid is None
+    rows = records(tmp_path)
+    expected = {}
+    for j in jobs:
+        for request_id, score in zip(j.request_ids, direct(models / MODEL / "2", j), strict=True):
+            expected[request_id] = float(score)
+    assert [r["request_id"] for r in rows] == sorted(expected)  # one record per row, none lost
+    assert {
+        (r["arm"], r["version"], r["engine"], r["served"], r["replica_id"], r["experiment"])
+        for r in rows
+    } == {("challenger", "2", "onnxruntime-cpu", False, "host-1-shadow", "exp")}
+    for r in rows:
+        assert r["score"] == pytest.approx(expected[str(r["request_id"])], abs=1e-6)
+        assert r["latency_ms"] > 0
+    flips = sum(r["decision"] != "APPROVE" for r in rows)  # the champion said 0.1: APPROVE
+    assert runner.decision_flips == flips
+
+
+def test_full_queue_drops_and_counts_without_sending(models: Path, tmp_path: Path):
+    async def scenario() -> ShadowRunner:
+        runner = runner_for(models, tmp_path, max_queued_jobs=2)
+        runner.start()
+        await until(lambda: not runner.full)
+        accepted = [runner.submit(job(i)) for i in range(10)]  # no loop turn: no ack can arrive
+        assert accepted == [True, True] + [False] * 8 and runner.full
+        assert runner.take_drops() == {MODEL: 8} and runner.take_drops() == {}
+        await runner.close(timeout_s=30)
+        assert not runner.submit(job(99))  # closed: refused and counted
+        return runner
+
+    runner = run(scenario)
+    assert (runner.submitted, runner.completed, runner.dropped) == (2, 2, 9)
+    assert [r["request_id"] for r in records(tmp_path)] == ["r0-0", "r1-0"]
+
+
+def test_unloaded_version_is_dropped_and_a_failing_one_counted(models: Path, tmp_path: Path):
+    async def scenario() -> ShadowRunner:
+        runner = runner_for(models, tmp_path)
+        runner.start()
+        await until(lambda: not runner.full)
+        assert not runner.submit(job(0, versions=("7",)))  # not loaded in the server
+        assert runner.submit(job(1, length=2))
+        broken = job(2)
+        broken.inputs.pop("history_mask")  # type: ignore[attr-defined]
+        assert runner.submit(broken)  # the challenger cannot run it: failed, contained
+        await until(lambda: runner.completed + runner.failed == 2)
+        await runner.close(timeout_s=30)
+        return runner
+
+    runner = run(scenario)
     assert (runner.completed, runner.failed, runner.dropped) == (1, 1, 1)
-    assert runner.decision_flips == 4
-    rows = read(tmp_path)
-    assert sorted(r["request_id"] for r in rows) == ["r60-0", "r60-1", "r60-2", "r60-3"]
-    assert {r["decision"] for r in rows} == {"DECLINE"}
+    assert [r["request_id"] for r in records(tmp_path)] == ["r1-0"]
 
 
-def test_close_gives_up_after_timeout_and_counts_what_was_left(tmp_path: Path) -> None:
-    async def scenario() -> ShadowRunner:
-        fake = FakeChallenger()  # gate never opens: the challenger hangs
-        log = ExperimentLog(str(tmp_path), replica_id="r")
-        runner = ShadowRunner(fake, log, lambda m, v: THRESHOLDS)
+def test_dead_worker_counts_its_jobs_as_dropped_and_is_replaced(models: Path, tmp_path: Path):
+    async def scenario() -> tuple[ShadowRunner, int, int]:
+        runner = runner_for(models, tmp_path, restart_delay_s=0.05, flush_interval_s=0.05)
         runner.start()
-        for i in range(3):
-            runner.submit(job(i))
-        await runner.close(timeout_s=0.05)
-        log.close()
-        return runner
+        assert runner.submit(job(0))
+        await until(lambda: any(tmp_path.rglob("*.parquet")))  # kill -9 loses what is unwritten
+        first = runner.worker_pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        assert runner.submit(job(1))  # written before the loop learns of the death: lost
+        await until(lambda: runner.worker_exits == 1 and not runner.full)
+        second = runner.worker_pid
+        assert second is not None
+        assert runner.submit(job(2))
+        await until(lambda: runner.completed == 2)
+        await runner.close(timeout_s=30)
+        return runner, first, second
 
-    runner = asyncio.run(scenario())
-    assert runner.completed == 0 and runner.dropped == 2 and runner.queued == 0
+    runner, first, second = run(scenario)
+    assert first != second
+    assert (runner.submitted, runner.completed, runner.dropped, runner.in_flight) == (3, 2, 1, 0)
+    assert [r["request_id"] for r in records(tmp_path)] == ["r0-0", "r2-0"]

@@ -1,0 +1,211 @@
+"""`ChallengerScorer`: score shadow jobs in the worker process and log one record per row.
+
+Jobs that arrived together are merged per (model, champion version, challenger version) into
+one engine call (histories padded with masked zeros, as the batcher does), so a worker that
+fell behind catches up with large batches instead of one call per job. Each challenger runs on
+its own ONNX Runtime FP32 session on the CPU with one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from engines.base import Engine
+from engines.manifest import Manifest, load_manifest
+from engines.onnxrt import OnnxRuntimeEngine
+from service.shadow.job import ShadowJob
+from service.shadow.log import ExperimentLog
+from service.shadow.record import ExperimentRecord
+
+__all__ = ["ChallengerScorer", "ScoringOutcome"]
+
+_log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (model, version)
+
+
+@dataclass
+class ScoringOutcome:
+    """Jobs finished per model: completed (every version scored and logged) or failed."""
+
+    completed: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    decision_flips: int = 0
+
+
+class ChallengerScorer:
+    """Loads each model version it is told about on first use and scores merged jobs."""
+
+    def __init__(self, log: ExperimentLog, *, max_rows_per_call: int = 256) -> None:
+        self._log = log
+        self._max_rows = max_rows_per_call
+        self._dirs: dict[Key, Path] = {}
+        self._manifests: dict[Key, Manifest] = {}
+        self._engines: dict[Key, Engine] = {}
+
+    def add_version(self, model: str, version: str, model_dir: Path) -> None:
+        key = (model, version)
+        if self._dirs.get(key) != model_dir:
+            self._dirs[key] = model_dir
+            self._manifests.pop(key, None)
+            self._engines.pop(key, None)
+
+    def score(self, jobs: Sequence[ShadowJob]) -> ScoringOutcome:
+        groups: dict[tuple[str, str, str], list[int]] = {}
+        for i, job in enumerate(jobs):
+            for version in job.versions:
+                groups.setdefault((job.model, job.champion_version, version), []).append(i)
+        outcome = ScoringOutcome()
+        failed: set[int] = set()
+        for (model, champion, version), indices in groups.items():
+            try:
+                self._score_group(model, champion, version, [jobs[i] for i in indices], outcome)
+            except Exception:  # a challenger failure is counted, never raised to the server
+                if len(indices) == 1:
+                    _log.exception("shadow scoring of %s version %s failed", model, version)
+                    failed.update(indices)
+                    continue
+                for i in indices:  # one bad job must not fail the others merged with it
+                    try:
+                        self._score_group(model, champion, version, [jobs[i]], outcome)
+                    except Exception:
+                        _log.exception("shadow scoring of %s version %s failed", model, version)
+                        failed.add(i)
+        for i, job in enumerate(jobs):
+            (outcome.failed if i in failed else outcome.completed)[job.model] += 1
+        return outcome
+
+    def close(self) -> None:
+        for engine in self._engines.values():
+            engine.close()
+        self._engines.clear()
+
+    def _manifest(self, key: Key) -> Manifest:
+        if key not in self._manifests:
+            if key not in self._dirs:
+                raise LookupError(f"{key[0]} version {key[1]} was never announced")
+            self._manifests[key] = load_manifest(self._dirs[key])
+        return self._manifests[key]
+
+    def _engine(self, key: Key) -> Engine:
+        if key not in self._engines:
+            self._engines[key] = OnnxRuntimeEngine.from_model_dir(
+                self._dirs[key],
+                self._manifest(key),
+                providers=("CPUExecutionProvider",),
+                intra_op_threads=1,
+                max_concurrency=1,
+            )
+            _log.info("shadow worker loaded %s version %s", *key)
+        return self._engines[key]
+
+    def _score_group(
+        self,
+        model: str,
+        champion_version: str,
+        version: str,
+        jobs: list[ShadowJob],
+        outcome: ScoringOutcome,
+    ) -> None:
+        champion = self._manifest((model, champion_version))
+        challenger = self._manifest((model, version))
+        engine = self._engine((model, version))
+        feed = merge([challenger_feed(challenger, champion, job.inputs) for job in jobs])
+        rows = sum(len(job.request_ids) for job in jobs)
+        scores = np.empty(rows, dtype=np.float64)
+        latency_s = np.empty(rows, dtype=np.float64)
+        for start in range(0, rows, self._max_rows):
+            end = min(start + self._max_rows, rows)
+            chunk = {name: array[start:end] for name, array in feed.items()}
+            started = time.perf_counter()
+            output = engine.infer(chunk)[challenger.output]
+            latency_s[start:end] = time.perf_counter() - started
+            scores[start:end] = np.asarray(output, dtype=np.float64).reshape(-1)
+        row = 0
+        for job in jobs:
+            for i in range(len(job.request_ids)):
+                outcome.decision_flips += self._log_row(
+                    job, i, version, float(scores[row]), engine.name, float(latency_s[row]),
+                    challenger, champion,
+                )  # fmt: skip
+                row += 1
+
+    def _log_row(
+        self,
+        job: ShadowJob,
+        i: int,
+        version: str,
+        score: float,
+        engine: str,
+        latency_s: float,
+        challenger: Manifest,
+        champion: Manifest,
+    ) -> int:
+        decision = challenger.thresholds.decide(score)
+        self._log.log(
+            ExperimentRecord(
+                request_id=job.request_ids[i],
+                entity_id=job.entity_ids[i],
+                experiment=job.experiment,
+                model=job.model,
+                arm="challenger",
+                version=version,
+                score=score,
+                decision=decision,
+                engine=engine,
+                latency_ms=latency_s * 1e3,
+                mode=job.mode,
+                served=False,
+            )
+        )
+        return int(decision != champion.thresholds.decide(float(job.champion_scores[i])))
+
+
+def challenger_feed(
+    challenger: Manifest, champion: Manifest, inputs: Mapping[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """The champion's validated inputs renamed (and features reordered) for the challenger."""
+    features = inputs[champion.features_input]
+    if challenger.features != champion.features:
+        missing = set(challenger.features) - set(champion.features)
+        if missing:
+            raise ValueError(f"the champion's requests lack features {sorted(missing)}")
+        features = features[:, [champion.features.index(n) for n in challenger.features]]
+    feed = {challenger.features_input: features}
+    spec = challenger.history
+    if spec is not None:
+        if champion.history is None or champion.history.fields != spec.fields:
+            raise ValueError("the challenger's history fields differ from the champion's")
+        feed[spec.input] = inputs[champion.history.input]
+        feed[spec.mask_input] = inputs[champion.history.mask_input]
+    return feed
+
+
+def merge(feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """Concatenate along the batch axis, zero-padding the other axes to the largest.
+
+    A zero mask marks padded history steps, so padding never changes a row's score.
+    """
+    if len(feeds) == 1:
+        return dict(feeds[0])
+    merged = {}
+    for name in feeds[0]:
+        arrays = [feed[name] for feed in feeds]
+        tail = tuple(max(dims) for dims in zip(*(a.shape[1:] for a in arrays), strict=True))
+        if all(a.shape[1:] == tail for a in arrays):
+            merged[name] = np.concatenate(arrays)
+            continue
+        out = np.zeros((sum(len(a) for a in arrays), *tail), dtype=arrays[0].dtype)
+        start = 0
+        for a in arrays:
+            out[(slice(start, start + len(a)), *(slice(0, d) for d in a.shape[1:]))] = a
+            start += len(a)
+        merged[name] = out
+    return merged

@@ -1,0 +1,117 @@
+"""The shadow worker process: ``python -m service.shadow.worker --fd N``.
+
+Started by `ShadowRunner` at the lowest CPU priority (SCHED_IDLE where the kernel has it, and
+nice 19), so it runs only on CPU the server leaves idle, under its own GIL. It reads jobs from
+the socket `N`, scores whatever has arrived in one pass (`ChallengerScorer`), writes the
+challenger records under the experiment log prefix as its own replica, and acknowledges each
+pass with counts. At end of input (the server closing, or dying) it scores what is left,
+flushes its log and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from service.shadow.channel import FrameDecoder, decode_job, frame
+from service.shadow.log import ExperimentLog
+from service.shadow.priority import lower_priority
+from service.shadow.scorer import ChallengerScorer
+
+__all__ = ["main", "serve"]
+
+MAX_JOBS_PER_PASS = 1024
+_RECV_BYTES = 1 << 20
+
+_log = logging.getLogger("service.shadow.worker")
+
+
+class _Reader:
+    """Blocks for the first message of a pass, then takes what has already arrived."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._decoder = FrameDecoder()
+        self.eof = False
+
+    def read(self, limit: int) -> list[tuple[Any, ...]]:
+        messages = self._decoder.messages(limit)
+        while not messages and not self.eof:
+            self._fill(block=True)
+            messages = self._decoder.messages(limit)
+        while len(messages) < limit and not self.eof and self._fill(block=False):
+            messages += self._decoder.messages(limit - len(messages))
+        return messages
+
+    def _fill(self, *, block: bool) -> bool:
+        try:
+            data = self._sock.recv(_RECV_BYTES, 0 if block else socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        except ConnectionError:
+            data = b""
+        if not data:
+            self.eof = True
+            return False
+        self._decoder.feed(data)
+        return True
+
+
+def serve(sock: socket.socket) -> None:
+    reader = _Reader(sock)
+    first = reader.read(1)
+    if not first or first[0][0] != "config":
+        _log.error("shadow worker: no configuration received; exiting")
+        return
+    _, prefix, replica_id, flush_interval_s = first[0]
+    log = ExperimentLog(prefix, replica_id=replica_id, flush_interval_s=flush_interval_s).start()
+    scorer = ChallengerScorer(log)
+    acknowledging = True
+    try:
+        while messages := reader.read(MAX_JOBS_PER_PASS):
+            jobs = []
+            for message in messages:
+                if message[0] == "version":
+                    scorer.add_version(message[1], message[2], Path(message[3]))
+                elif message[0] == "job":
+                    jobs.append(decode_job(message))
+            if not jobs:
+                continue
+            outcome = scorer.score(jobs)
+            ack = ("done", dict(outcome.completed), dict(outcome.failed), outcome.decision_flips)
+            if acknowledging:
+                try:
+                    sock.sendall(frame(ack))
+                except OSError:  # the server is gone: finish what arrived, log it, exit
+                    acknowledging = False
+    finally:
+        scorer.close()
+        log.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    lower_priority()
+    # A terminal's Ctrl-C or a signal to the server's process group must not cut the worker
+    # short: it stops when its input ends, after logging everything it accepted.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    parser = argparse.ArgumentParser(prog="python -m service.shadow.worker")
+    parser.add_argument("--fd", type=int, required=True, help="connected socket to the server")
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s shadow-worker %(name)s: %(message)s"
+    )
+    with socket.socket(fileno=args.fd) as sock:
+        sock.setblocking(True)
+        serve(sock)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
