@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
 import onnxruntime as ort
 import pytest
-from liveserver import server_process
+from liveserver import LiveServer, server_process
 from modelkit import write_sequence_model
+from prometheus_client.parser import text_string_to_metric_families
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -141,3 +145,80 @@ def test_shadow_log_holds_one_record_per_accepted_request(setup, tmp_path):
     report = json.loads(out_json.read_text())
     assert "<img" in out_html.read_text() or "<svg" in out_html.read_text()
     assert json.dumps(report)  # parsed and re-serialisable
+
+
+def live_shadow_server(models, config, logs, **settings) -> LiveServer:
+    return LiveServer(
+        models_dir=models,
+        experiments_file=config,
+        shadow_log_prefix=str(logs),
+        shadow_flush_interval_s=0.1,
+        default_model="seq-mini",
+        budget_ms=5000,
+        **settings,
+    )
+
+
+def challenger_ids(logs) -> list[str]:
+    if not logs.exists():
+        return []
+    table = read_records(str(logs)).select(["request_id", "served"]).to_pylist()
+    return [r["request_id"] for r in table if not r["served"]]
+
+
+def scraped_drops(url: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "riskserve_shadow_drops_total" and s.labels.get("model") == "seq-mini"
+    )
+
+
+def test_full_shadow_queue_drops_copies_and_counts_each_one(setup):
+    models, _, _, config, logs = setup
+    with live_shadow_server(models, config, logs, shadow_max_queued_jobs=1, metrics_port=0) as live:
+        runner = live.server.experiments.runner
+        with live.channel() as channel, ThreadPoolExecutor(16) as pool:
+            stub = pb_grpc.RiskScoringStub(channel)
+            replies = list(pool.map(lambda i: stub.Score(request(i), timeout=10), range(200)))
+        assert {r.model_version for r in replies} == {"1"}
+        assert runner.dropped > 0
+        deadline = time.monotonic() + 10
+        while scraped_drops(live.server.telemetry.metrics_url) < runner.dropped:
+            assert time.monotonic() < deadline, "drops never reached the metric"
+            time.sleep(0.2)
+        assert scraped_drops(live.server.telemetry.metrics_url) == runner.dropped
+    # Every copy was scored and logged by the worker, or dropped and counted: none lost.
+    assert runner.submitted + runner.dropped == 200
+    assert len(challenger_ids(logs)) == runner.completed == runner.submitted
+
+
+def test_champion_serves_on_while_the_shadow_worker_dies_and_is_replaced(setup):
+    models, _, _, config, logs = setup
+    with live_shadow_server(models, config, logs) as live:
+        experiments = live.server.experiments
+        runner = experiments.runner
+        with live.channel() as channel:
+            stub = pb_grpc.RiskScoringStub(channel)
+            for i in range(20):
+                stub.Score(request(i), timeout=5)
+            deadline = time.monotonic() + 30
+            while len(challenger_ids(logs)) < 20:  # on disk: a kill -9 cannot take them back
+                assert time.monotonic() < deadline, "the worker never logged the copies"
+                time.sleep(0.05)
+            first = runner.worker_pid
+            os.kill(first, signal.SIGKILL)
+            for i in range(20, 60):  # while the worker is dead and being replaced
+                assert stub.Score(request(i), timeout=5).model_version == "1"
+            while runner.worker_pid in (None, first) or runner.full:
+                assert time.monotonic() < deadline, "the worker was not replaced"
+                time.sleep(0.05)
+            for i in range(60, 80):
+                assert stub.Score(request(i), timeout=5).model_version == "1"
+    logged = challenger_ids(logs)
+    assert runner.worker_exits == 1
+    assert {f"q{i}" for i in range(60, 80)} <= set(logged)
+    assert len(logged) + runner.dropped == 80 and len(set(logged)) == len(logged)
