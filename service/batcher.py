@@ -1,10 +1,14 @@
 """Deadline-aware, work-conserving micro-batching of one model version's requests.
 
-Requests wait in an earliest-deadline-first heap. A worker that is free takes what is queued at
+Requests wait in an earliest-deadline-first heap. A free engine worker takes what is queued at
 once (no added delay at light load); while the workers are busy the heap fills, so batches grow
 with load. Each take stops before a request that would make the batch late for anyone in it,
 using an online linear model of engine time against padded batch cells. A request that cannot
 make its deadline even alone is failed at admission or at dispatch, never run.
+
+Each worker is a thread of its own that runs one merged batch at a time. Dispatch happens on the
+event loop, in the call that queued a request or in the callback that reports a finished batch:
+no task wakes up to look at the queue, and a batch crosses threads once each way.
 """
 
 from __future__ import annotations
@@ -13,18 +17,17 @@ import asyncio
 import heapq
 import itertools
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import numpy as np
-from opentelemetry.trace import SpanContext
-from opentelemetry.util.types import AttributeValue
 
 from service.codec import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
-from service.telemetry import Telemetry, batch_span, current_span_context
+from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
 __all__ = ["BatchOutcome", "EngineTimeModel", "MicroBatcher", "Scored"]
 
@@ -60,6 +63,8 @@ class Scored:
     dispatched_ns: int = 0
     done_ns: int = 0
     row_engines: tuple[str, ...] = ()
+    # The executed batch's trace (None when tracing is off or nothing ran).
+    batch_trace: BatchTrace | None = None
 
     def row_engine(self, row: int) -> tuple[str, str]:
         """The engine that scored `row` and why it was not the preferred one ('' if it was)."""
@@ -123,7 +128,19 @@ class _Job:
     batch: RowBatch = field(compare=False)
     enqueued: float = field(compare=False)
     future: asyncio.Future[Scored] = field(compare=False)
-    span_context: SpanContext | None = field(compare=False, default=None)
+    trace: RequestTrace | None = field(compare=False, default=None)
+
+
+@dataclass(slots=True)
+class _Running:
+    """A batch handed to an engine thread, as the event loop keeps track of it."""
+
+    jobs: list[_Job]
+    rows: int
+    history_length: int
+    started_ns: int
+    expected_end: float  # monotonic seconds, from the engine-time model
+    trace: BatchTrace | None
 
 
 RunBatch = Callable[[RowBatch], BatchOutcome]
@@ -151,12 +168,11 @@ def merge(batches: list[RowBatch]) -> RowBatch:
 
 
 class MicroBatcher:
-    """One queue and its workers for one (model, version, engine pool)."""
+    """One queue and its engine threads for one (model, version, engine pool)."""
 
     def __init__(
         self,
         run_batch: RunBatch,
-        executor: Executor,
         *,
         max_batch_rows: int,
         max_queue_rows: int,
@@ -168,7 +184,6 @@ class MicroBatcher:
         labels: tuple[str, str] = ("", ""),
     ) -> None:
         self._run_batch = run_batch
-        self._executor = executor
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
         self._workers_n = workers
@@ -176,15 +191,16 @@ class MicroBatcher:
         self.time_model = time_model or EngineTimeModel()
         self._degrade = degrade_on_deadline
         self._telemetry = telemetry
+        self._tracing = telemetry.tracing if telemetry is not None else None
         self._model, self._version = labels
         self._heap: list[_Job] = []
         self._queued_rows = 0
         self._seq = itertools.count()
-        self._ready = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
-        self._busy = 0
-        # Expected end (monotonic seconds) of each batch now running, by batch sequence number.
-        self._running_until: dict[int, float] = {}
+        self._running: dict[int, _Running] = {}
+        self._inbox: queue.SimpleQueue[tuple[int, list[RowBatch]] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._delayed: asyncio.TimerHandle | None = None
         self._closing = False
 
     def run_batch(self, rows: RowBatch) -> BatchOutcome:
@@ -196,24 +212,32 @@ class MicroBatcher:
         return self._queued_rows
 
     def start(self) -> None:
-        self._tasks = [
-            asyncio.create_task(self._worker(), name=f"batcher-worker-{i}")
+        """Start the engine threads; call from inside the running event loop."""
+        self._loop = asyncio.get_running_loop()
+        name = f"engine-{self._model}-{self._version}"
+        # Daemon threads: an engine call that never returns must not keep the process alive.
+        self._threads = [
+            threading.Thread(target=self._engine_thread, name=f"{name}-{i}", daemon=True)
             for i in range(self._workers_n)
         ]
+        for thread in self._threads:
+            thread.start()
 
     async def close(self, drain_s: float = 5.0) -> None:
         """Stop admitting; let queued work finish within `drain_s`, then fail the rest."""
         self._closing = True
+        self._kick()
         deadline = time.monotonic() + drain_s
-        while (self._heap or self._busy) and time.monotonic() < deadline:
-            self._ready.set()
+        while (self._heap or self._running) and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for _ in self._threads:
+            self._inbox.put(None)
         while self._heap:
             job = heapq.heappop(self._heap)
             self._fail(job, Unavailable("server is shutting down"))
+        for running in self._running.values():
+            for job in running.jobs:
+                self._fail(job, Unavailable("server is shutting down"))
 
     async def submit(self, batch: RowBatch, deadline: float) -> Scored:
         """Queue `batch` to be scored by monotonic time `deadline`; wait for its scores."""
@@ -224,10 +248,11 @@ class MicroBatcher:
             raise Overloaded(
                 f"queue holds {self._queued_rows} rows, limit {self.max_queue_rows}; retry later"
             )
+        assert self._loop is not None, "start() the batcher first"
         now = time.monotonic()
-        future: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
-        context = current_span_context() if self._telemetry is not None else None
-        job = _Job(deadline, next(self._seq), batch, now, future, context)
+        future: asyncio.Future[Scored] = self._loop.create_future()
+        trace = current_request_trace() if self._tracing is not None else None
+        job = _Job(deadline, next(self._seq), batch, now, future, trace)
         if now + self._estimate_wait_s(batch) > deadline:
             self._shed("deadline")
             if self._degrade:
@@ -235,7 +260,7 @@ class MicroBatcher:
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
         heapq.heappush(self._heap, job)
         self._queued_rows += batch.rows
-        self._ready.set()
+        self._kick()
         return await future
 
     def _estimate_wait_s(self, batch: RowBatch) -> float:
@@ -243,12 +268,12 @@ class MicroBatcher:
         model = self.time_model
         length = batch.history_length
         own = model.estimate_s(batch.rows, length)
-        if self._busy < self._workers_n and not self._heap:
+        if len(self._running) < self._workers_n and not self._heap:
             return own
         now = time.monotonic()
         # The soonest a worker frees: what the running batches were expected to take, less
         # what they have run (a batch past its estimate counts as about to finish).
-        running = sorted(max(end - now, 0.0) for end in self._running_until.values())
+        running = sorted(max(r.expected_end - now, 0.0) for r in self._running.values())
         free_in = 0.0 if len(running) < self._workers_n else running[0]
         queued = self._queued_rows
         full_batches, rest = divmod(queued, self.max_batch_rows)
@@ -307,47 +332,103 @@ class MicroBatcher:
         scores = np.full(job.batch.rows, np.nan, dtype=np.float32)
         return Scored(scores, "", "deadline", now - job.enqueued, 0.0, 0, degraded=True)
 
-    async def _worker(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            while not self._heap:
-                self._ready.clear()
-                await self._ready.wait()
-            if self._max_queue_delay_s > 0 and self._queued_rows < self.max_batch_rows:
-                await asyncio.sleep(self._max_queue_delay_s)
+    # -- dispatch (event loop) -------------------------------------------------------------
+
+    def _kick(self) -> None:
+        """Hand queued work to free workers now, or after the configured extra wait."""
+        if not self._heap or len(self._running) >= self._workers_n:
+            return
+        delay_s = self._max_queue_delay_s
+        if delay_s > 0 and not self._closing and self._queued_rows < self.max_batch_rows:
+            if self._delayed is None:
+                assert self._loop is not None
+                self._delayed = self._loop.call_later(delay_s, self._after_delay)
+            return
+        self._dispatch()
+
+    def _after_delay(self) -> None:
+        self._delayed = None
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._heap and len(self._running) < self._workers_n:
             jobs = self._take()
             if not jobs:
                 continue
             rows = sum(j.batch.rows for j in jobs)
             length = max(j.batch.history_length for j in jobs)
             token = next(self._seq)
-            self._running_until[token] = time.monotonic() + self.time_model.estimate_s(rows, length)
-            self._busy += 1
-            try:
-                await self._execute(loop, jobs)
-            finally:
-                self._busy -= 1
-                del self._running_until[token]
+            trace = None
+            if self._tracing is not None:
+                trace = self._tracing.start_batch(
+                    [j.trace for j in jobs],
+                    {
+                        "riskserve.model": self._model,
+                        "riskserve.version": self._version,
+                        "riskserve.batch.size": rows,
+                        "riskserve.batch.requests": len(jobs),
+                        "riskserve.batch.history_length": length,
+                    },
+                )
+            self._running[token] = _Running(
+                jobs,
+                rows,
+                length,
+                time.monotonic_ns(),
+                time.monotonic() + self.time_model.estimate_s(rows, length),
+                trace,
+            )
+            self._inbox.put((token, [j.batch for j in jobs]))
 
-    async def _execute(self, loop: asyncio.AbstractEventLoop, jobs: list[_Job]) -> None:
-        merged_rows = sum(j.batch.rows for j in jobs)
-        length = max(j.batch.history_length for j in jobs)
-        started_ns = time.monotonic_ns()
-        started = started_ns / 1e9
+    def _engine_thread(self) -> None:
+        loop = self._loop
+        assert loop is not None
+        while True:
+            item = self._inbox.get()
+            if item is None:
+                return
+            token, batches = item
+            try:
+                outcome: BatchOutcome | BaseException = self._run_batch(merge(batches))
+            except BaseException as exc:  # handed to the event loop, which fails the batch
+                outcome = exc
+            try:
+                loop.call_soon_threadsafe(self._finish, token, outcome, time.monotonic_ns())
+            except RuntimeError:  # the loop closed while the batch ran
+                return
+
+    def _finish(self, token: int, outcome: BatchOutcome | BaseException, done_ns: int) -> None:
+        running = self._running.pop(token)
         try:
-            outcome = await self._run_traced(loop, jobs, merged_rows, length)
-        except ServiceError as exc:
+            self._deliver(running, outcome, done_ns)
+        finally:
+            self._kick()
+
+    def _deliver(
+        self, running: _Running, outcome: BatchOutcome | BaseException, done_ns: int
+    ) -> None:
+        jobs = running.jobs
+        if isinstance(outcome, ServiceError):
             for job in jobs:
-                self._fail(job, exc)
+                self._fail(job, outcome)
             return
-        except Exception:
-            log.exception("batch of %d rows failed", merged_rows)
+        if isinstance(outcome, BaseException):
+            log.error("batch of %d rows failed", running.rows, exc_info=outcome)
             for job in jobs:
                 self._fail(job, ScoringFailed("scoring failed"))
             return
-        done_ns = time.monotonic_ns()
-        self.time_model.observe(merged_rows, length, outcome.engine_s)
-        self._observe(jobs, outcome, merged_rows, started)
+        self.time_model.observe(running.rows, running.history_length, outcome.engine_s)
+        started_ns = running.started_ns
+        started = started_ns / 1e9
+        if running.trace is not None:
+            running.trace.end(
+                {
+                    "riskserve.engine": outcome.engine,
+                    "riskserve.precision": outcome.precision,
+                    "riskserve.fallback_reason": outcome.fallback_reason,
+                }
+            )
+        self._observe(jobs, outcome, running.rows, started)
         start = 0
         for job in jobs:
             end = start + job.batch.rows
@@ -359,51 +440,24 @@ class MicroBatcher:
                         outcome.fallback_reason,
                         started - job.enqueued,
                         outcome.engine_s,
-                        merged_rows,
+                        running.rows,
                         enqueued_ns=int(job.enqueued * 1e9),
                         dispatched_ns=started_ns,
                         done_ns=done_ns,
                         row_engines=outcome.row_engines[start:end],
+                        batch_trace=running.trace,
                     )
                 )
             start = end
-
-    async def _run_traced(
-        self, loop: asyncio.AbstractEventLoop, jobs: list[_Job], rows: int, length: int
-    ) -> BatchOutcome:
-        batches = [j.batch for j in jobs]
-        if self._telemetry is None:
-            return await loop.run_in_executor(
-                self._executor, _merge_and_run, self._run_batch, batches
-            )
-        contexts = [j.span_context for j in jobs if j.span_context is not None]
-        attributes: dict[str, AttributeValue] = {
-            "riskserve.model": self._model,
-            "riskserve.version": self._version,
-            "riskserve.batch.size": rows,
-            "riskserve.batch.requests": len(jobs),
-            "riskserve.batch.history_length": length,
-        }
-        with batch_span(self._telemetry.tracer, contexts, attributes) as span:
-            outcome = await loop.run_in_executor(
-                self._executor, _merge_and_run, self._run_batch, batches
-            )
-            span.set_attribute("riskserve.engine", outcome.engine)
-            span.set_attribute("riskserve.precision", outcome.precision)
-            span.set_attribute("riskserve.fallback_reason", outcome.fallback_reason)
-        return outcome
 
     def _observe(self, jobs: list[_Job], outcome: BatchOutcome, rows: int, started: float) -> None:
         if self._telemetry is None:
             return
         metrics = self._telemetry.metrics
         metrics.observe_batch(self._model, self._version, outcome.engine, rows, outcome.engine_s)
-        for job in jobs:
-            metrics.observe_queue_wait(self._model, self._version, started - job.enqueued)
+        metrics.observe_queue_waits(
+            self._model, self._version, [started - job.enqueued for job in jobs]
+        )
         if outcome.fallback_reason:
             # The reason's first word only, so the metric's label set stays small.
             metrics.count_fallback(self._model, outcome.fallback_reason.split(":", 1)[0])
-
-
-def _merge_and_run(run_batch: RunBatch, batches: list[RowBatch]) -> BatchOutcome:
-    return run_batch(merge(batches))

@@ -227,7 +227,7 @@ def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> 
     if mask.shape[1] != history.shape[1]:
         raise InvalidRequest(f"{spec.mask_input}.shape", "must match the history length")
     history = _finite(history, spec.input, manifest)
-    if not np.isin(mask, (0.0, 1.0)).all():
+    if not ((mask == 0.0) | (mask == 1.0)).all():
         raise InvalidRequest(spec.mask_input, "values must be 0 or 1")
     return RowBatch(
         np.ascontiguousarray(features), np.ascontiguousarray(history), np.ascontiguousarray(mask)

@@ -270,7 +270,6 @@ class ModelRegistry:
         time_model = EngineTimeModel()
         batcher = MicroBatcher(
             functools.partial(run_on_pool, manifest, pool, precisions),
-            self._executor,
             max_batch_rows=max_rows,
             max_queue_rows=self._max_queue_rows,
             workers=workers,

@@ -87,8 +87,9 @@ def telemetry_config(settings: Settings) -> TelemetryConfig:
         budget_ms=settings.budget_ms,
         trace_slow_ms=settings.trace_slow_ms,
         trace_sample_ratio=settings.trace_sample_ratio,
+        tracing=settings.tracing,
         trace_export_all=settings.trace_export_all,
-        trace_file=settings.trace_file if settings.tracing else None,
+        trace_file=settings.trace_file,
         metrics_host=settings.metrics_host,
         metrics_port=settings.metrics_port,
         stats_interval_s=settings.stats_interval_s or None,
@@ -134,9 +135,9 @@ async def build_server(
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     """
     telemetry = setup_telemetry(telemetry_config(settings))
-    traced = telemetry if settings.tracing else None
     workers = settings.engine_workers or 2
-    executor = ThreadPoolExecutor(max_workers=max(workers * 2, 2), thread_name_prefix="engine")
+    # Model loading and warm-up run here; each batcher runs its engine calls on its own threads.
+    executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="model-loader")
     if engine_factory is None:
         engine_factory = default_engines(
             settings.engine_threads,
@@ -155,7 +156,7 @@ async def build_server(
         max_queue_delay_s=settings.max_queue_delay_us / 1e6,
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
-        telemetry=traced,
+        telemetry=telemetry,
     )
     await registry.load_dir(settings.models_dir)
     experiments = None
@@ -176,12 +177,8 @@ async def build_server(
         ("grpc.so_reuseport", 1 if settings.processes > 1 else 0),
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
     ]
-    interceptors: list[grpc.aio.ServerInterceptor] = (
-        [telemetry.interceptor()] if traced is not None else []
-    )
     auth = _auth(settings)
-    if auth is not None:
-        interceptors.append(auth)
+    interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version(), telemetry)
     risk_servicer = RiskScoringServicer(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import functools
 import logging
@@ -14,11 +15,11 @@ import grpc
 from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
-from opentelemetry import trace
 
 from service.batcher import Scored
 from service.errors import InvalidRequest, ServiceError, status_for
-from service.telemetry import Telemetry, current_trace_id
+from service.telemetry import Telemetry, current_request_trace, current_trace_id
+from service.telemetry.tracing import DECISION_DROPPED
 
 __all__ = [
     "Malformed",
@@ -26,6 +27,7 @@ __all__ = [
     "generic_handler",
     "note_model",
     "note_scored",
+    "note_validated",
     "rpc_boundary",
 ]
 
@@ -54,26 +56,23 @@ def note_model(name: str, version: str = "") -> None:
 def note_scored(
     telemetry: Telemetry | None, name: str, version: str, scored: Scored, decision: str = ""
 ) -> None:
-    """Label the call and its server span with its model, engine and stage times.
+    """Label the call with its model and engine, and its trace with what the batch did.
 
-    Queue and engine time are attributes of the server span (the batch span, linked, holds
-    the engine run itself): a child span per stage cost the hot path more than it told.
+    The queue wait and the engine run become stage spans of the request's trace, and the
+    batch (a span of its own, linked) is attached; none of it is built unless the trace is kept.
     """
     call = _CALL.get()
     if call is not None:
         call.model, call.version, call.engine = name, version, scored.engine
-    if telemetry is None:
+    trace = current_request_trace()
+    if trace is None:
         return
-    span = trace.get_current_span()
-    if not span.is_recording():
-        return
-    attributes: dict[str, str | int | bool] = {
-        "riskserve.model": name,
-        "riskserve.version": version,
-        "riskserve.engine": scored.engine,
-        "riskserve.degraded": scored.degraded,
-        "riskserve.batch.size": scored.batch_rows,
-    }
+    attributes = trace.attributes
+    attributes["riskserve.model"] = name
+    attributes["riskserve.version"] = version
+    attributes["riskserve.engine"] = scored.engine
+    attributes["riskserve.degraded"] = scored.degraded
+    attributes["riskserve.batch.size"] = scored.batch_rows
     if decision:
         attributes["riskserve.decision"] = decision
     if scored.fallback_reason:
@@ -81,7 +80,21 @@ def note_scored(
     if scored.dispatched_ns:
         attributes["riskserve.queue_us"] = (scored.dispatched_ns - scored.enqueued_ns) // 1000
         attributes["riskserve.engine_us"] = (scored.done_ns - scored.dispatched_ns) // 1000
-    span.set_attributes(attributes)
+        trace.add_stage("riskserve.queue", scored.enqueued_ns, scored.dispatched_ns)
+        trace.add_stage(
+            "riskserve.score",
+            scored.dispatched_ns,
+            scored.done_ns,
+            {"riskserve.engine": scored.engine, "riskserve.batch.size": scored.batch_rows},
+        )
+    trace.batch = scored.batch_trace
+
+
+def note_validated(started_monotonic_ns: int) -> None:
+    """The request was decoded and checked, from `started_monotonic_ns` until now."""
+    trace = current_request_trace()
+    if trace is not None:
+        trace.add_stage("riskserve.validate", started_monotonic_ns, time.monotonic_ns())
 
 
 log = logging.getLogger(__name__)
@@ -126,14 +139,30 @@ def generic_handler(servicer: Any, service: ServiceDescriptor) -> grpc.GenericRp
 
 
 def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Map service errors to their status; anything unexpected to INTERNAL, logged once."""
+    """The one wrapper of every RPC: its trace, its error mapping, its request metric.
+
+    Service errors become their status; anything unexpected becomes INTERNAL with the trace
+    id, logged once. The servicer names its gRPC service in `SERVICE_NAME` (for the span name)
+    and holds `telemetry` (None: neither traced nor measured).
+    """
+    method = handler.__name__
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         telemetry: Telemetry | None = getattr(self, "telemetry", None)
+        tracing = telemetry.tracing if telemetry is not None else None
         started = time.perf_counter()
         call = _CallLabels()
-        token = _CALL.set(call)
+        call_token = _CALL.set(call)
+        trace = trace_token = None
+        if tracing is not None:
+            service = self.SERVICE_NAME
+            trace = tracing.start_request(
+                f"{service}/{method}",
+                {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
+                context.invocation_metadata(),
+            )
+            trace_token = tracing.activate(trace)
         status = grpc.StatusCode.OK
         try:
             if isinstance(request, Malformed):
@@ -142,16 +171,24 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         except ServiceError as exc:
             status = status_for(exc)
             await context.abort(status, str(exc))
-        except (grpc.aio.AbortError, grpc.RpcError):
-            status = grpc.StatusCode.UNKNOWN
+        except grpc.aio.AbortError:
+            status = _code_of(context)
+            raise
+        except asyncio.CancelledError:
+            status = _cancelled_code(context)
             raise
         except Exception:
             status = grpc.StatusCode.INTERNAL
             trace_id = current_trace_id() or "none"
-            log.exception("unexpected error in %s (trace id %s)", handler.__name__, trace_id)
+            log.exception("unexpected error in %s (trace id %s)", method, trace_id)
             await context.abort(status, f"internal error (trace id {trace_id})")
         finally:
-            _CALL.reset(token)
+            _CALL.reset(call_token)
+            kept = False
+            if tracing is not None and trace is not None and trace_token is not None:
+                tracing.deactivate(trace_token)
+                details = "" if status is grpc.StatusCode.OK else status.name
+                kept = tracing.end_request(trace, status.value[0], details) != DECISION_DROPPED
             if telemetry is not None and call.model:
                 telemetry.metrics.observe_request(
                     call.model,
@@ -159,10 +196,29 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                     call.engine,
                     status.name,
                     time.perf_counter() - started,
+                    trace.context if kept and trace is not None else None,
                 )
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return wrapper
+
+
+def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    """The status an abort set (grpc.aio reports it as a StatusCode or as its number)."""
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code
+    for candidate in grpc.StatusCode:
+        if candidate.value[0] == code:
+            return candidate
+    return grpc.StatusCode.UNKNOWN
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
+    remaining_s = context.time_remaining()
+    if remaining_s is not None and remaining_s <= 0:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def deadline_for(context: grpc.aio.ServicerContext, budget_s: float) -> float:

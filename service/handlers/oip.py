@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 
 from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
 from service.codec import decode_infer_request, encode_infer_response
-from service.handlers.boundary import deadline_for, note_model, note_scored, rpc_boundary
+from service.handlers.boundary import (
+    deadline_for,
+    note_model,
+    note_scored,
+    note_validated,
+    rpc_boundary,
+)
 from service.registry import ModelRegistry, ModelVersion
 from service.telemetry import Telemetry
 
@@ -29,6 +37,8 @@ def _tensor_shapes(model: ModelVersion) -> list[tuple[str, list[int]]]:
 
 
 class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
+    SERVICE_NAME = oip.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
+
     def __init__(
         self,
         registry: ModelRegistry,
@@ -112,7 +122,9 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     ) -> oip.ModelInferResponse:
         note_model(request.model_name, request.model_version)
         model = self._registry.get(request.model_name, request.model_version)
+        decode_started_ns = time.monotonic_ns()
         rows = decode_infer_request(request, model.manifest)
+        note_validated(decode_started_ns)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
         note_scored(self.telemetry, model.name, model.version, scored)
         return encode_infer_response(request, model.version, model.manifest.output, scored.scores)

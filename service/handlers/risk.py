@@ -12,7 +12,13 @@ from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batcher import Scored
 from service.codec import DECISIONS, decode_score_batch, decode_score_request
 from service.experiments import Experiments
-from service.handlers.boundary import deadline_for, note_model, note_scored, rpc_boundary
+from service.handlers.boundary import (
+    deadline_for,
+    note_model,
+    note_scored,
+    note_validated,
+    rpc_boundary,
+)
 from service.registry import ModelRegistry, ModelVersion
 from service.telemetry import Telemetry
 
@@ -20,6 +26,8 @@ __all__ = ["RiskScoringServicer"]
 
 
 class RiskScoringServicer(pb_grpc.RiskScoringServicer):
+    SERVICE_NAME = pb.DESCRIPTOR.services_by_name["RiskScoring"].full_name
+
     def __init__(
         self,
         registry: ModelRegistry,
@@ -50,7 +58,9 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             route = self._experiments.route(name, request.entity_id)
             version = route.serving_version or ""
         model = self._model(name, version)
+        decode_started_ns = time.monotonic_ns()
         rows = decode_score_request(request, model.manifest)
+        note_validated(decode_started_ns)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
         reply = _response(request.request_id, model, scored, 0, started)
         note_scored(
@@ -75,7 +85,9 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         started = time.perf_counter()
         note_model(request.model or self._default_model, request.model_version)
         model = self._model(request.model, request.model_version)
+        decode_started_ns = time.monotonic_ns()
         rows = decode_score_batch(request, model.manifest)
+        note_validated(decode_started_ns)
         scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
         note_scored(self.telemetry, model.name, model.version, scored)
         if self._experiments is not None and not request.model_version:

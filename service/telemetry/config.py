@@ -21,6 +21,8 @@ class TelemetryConfig:
     trace_slow_ms: float | None = None
     # Share of the other (fast, OK, caller-unsampled) traces kept, decided on the trace id.
     trace_sample_ratio: float = 0.01
+    # Trace requests and batches at all.
+    tracing: bool = True
     # Export every span and leave sampling to a Collector's tail sampler.
     trace_export_all: bool = False
     # JSON-lines span file used when OTEL_TRACES_EXPORTER is unset (None: no default exporter).
@@ -30,10 +32,6 @@ class TelemetryConfig:
     metrics_port: int | None = 9464
     # Period of the live p50/p99 log line; None disables the reporter.
     stats_interval_s: float | None = 10.0
-    # Bounds of the in-process tail sampler; beyond them spans are counted and dropped.
-    max_open_traces: int = 4096
-    max_spans_per_trace: int = 64
-    max_pending_batch_traces: int = 1024
     # Observations kept per stage for the live percentiles.
     stats_window_size: int = 4096
 
@@ -48,14 +46,8 @@ class TelemetryConfig:
             raise ValueError("metrics_port must lie in [0, 65535]")
         if self.stats_interval_s is not None and self.stats_interval_s <= 0:
             raise ValueError("stats_interval_s must be positive")
-        for name in (
-            "max_open_traces",
-            "max_spans_per_trace",
-            "max_pending_batch_traces",
-            "stats_window_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
+        if self.stats_window_size < 1:
+            raise ValueError("stats_window_size must be at least 1")
 
     @property
     def slow_threshold_ms(self) -> float:

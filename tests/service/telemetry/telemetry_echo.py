@@ -1,4 +1,8 @@
-"""A tiny grpc.aio server whose one unary method sleeps, aborts, raises or adds a child span."""
+"""A tiny grpc.aio server whose one unary method sleeps, aborts, raises or fails cleanly.
+
+It goes through the same `rpc_boundary` as riskserve's own servicers, so its calls are traced,
+tail-sampled and counted exactly as theirs are.
+"""
 
 from __future__ import annotations
 
@@ -8,46 +12,48 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
-from opentelemetry import trace
 
-from service.telemetry import Telemetry
+from service.errors import ModelNotFound
+from service.handlers.boundary import note_model, rpc_boundary
+from service.telemetry import Telemetry, current_request_trace
 
 SERVICE = "test.Echo"
 METHOD = "Call"
 
 
-def _behaviour(telemetry: Telemetry):
-    async def call(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        started_s = time.monotonic()
-        command, _, argument = request.decode().partition(":")
-        status = "OK"
-        try:
-            if command == "sleep":
-                with telemetry.tracer.start_as_current_span("work") as child:
-                    child.add_event("sleeping", {"ms": float(argument)})
-                    await asyncio.sleep(float(argument) / 1e3)
-            elif command == "abort":
-                status = "NOT_FOUND"
-                await context.abort(grpc.StatusCode.NOT_FOUND, "no such model")
-            elif command == "raise":
-                status = "UNKNOWN"
-                raise RuntimeError("boom")
-            trace.get_current_span().set_attribute("test.command", command)
-            return b"ok"
-        finally:
-            telemetry.metrics.observe_request(
-                "m", "1", "fake", status, time.monotonic() - started_s
-            )
+class EchoServicer:
+    SERVICE_NAME = SERVICE
 
-    return call
+    def __init__(self, telemetry: Telemetry) -> None:
+        self.telemetry = telemetry
+
+    @rpc_boundary
+    async def Call(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        command, _, argument = request.decode().partition(":")
+        note_model("m", "1")
+        trace = current_request_trace()
+        if command == "sleep":
+            started_ns = time.monotonic_ns()
+            await asyncio.sleep(float(argument) / 1e3)
+            if trace is not None:
+                trace.add_stage("work", started_ns, time.monotonic_ns(), {"ms": float(argument)})
+        elif command == "abort":
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such model")
+        elif command == "missing":
+            raise ModelNotFound("no model 'x'")
+        elif command == "raise":
+            raise RuntimeError("boom")
+        if trace is not None:
+            trace.attributes["test.command"] = command
+        return b"ok"
 
 
 @asynccontextmanager
 async def echo_server(telemetry: Telemetry) -> AsyncIterator[grpc.aio.UnaryUnaryMultiCallable]:
-    """Serve on 127.0.0.1:0 with the tracing interceptor; yield a client stub for the method."""
-    server = grpc.aio.server(interceptors=[telemetry.interceptor()])
+    """Serve on 127.0.0.1:0; yield a client stub for the method."""
+    server = grpc.aio.server()
     handler = grpc.method_handlers_generic_handler(
-        SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(_behaviour(telemetry))}
+        SERVICE, {METHOD: grpc.unary_unary_rpc_method_handler(EchoServicer(telemetry).Call)}
     )
     server.add_generic_rpc_handlers([handler])
     port = server.add_insecure_port("127.0.0.1:0")

@@ -50,7 +50,7 @@ def test_prometheus_endpoint_shows_histograms_with_the_right_counts(monkeypatch)
         for duration_s in (0.0002, 0.0004, 0.0031, 0.012, 0.2):
             metrics.observe_request("fraud-demo", "1", "onnxruntime-cpu", "OK", duration_s)
         metrics.observe_request("fraud-demo", "1", "none", "RESOURCE_EXHAUSTED", 0.00001)
-        metrics.observe_queue_wait("fraud-demo", "1", 0.0007)
+        metrics.observe_queue_waits("fraud-demo", "1", [0.0007])
         metrics.observe_batch("fraud-demo", "1", "onnxruntime-cpu", 5, 0.0021)
         metrics.count_fallback("fraud-demo", "shape_mismatch")
         metrics.count_shed("fraud-demo", "queue_full")
@@ -89,7 +89,7 @@ def test_prometheus_endpoint_shows_histograms_with_the_right_counts(monkeypatch)
     assert _value(samples, "riskserve_queue_depth", model="fraud-demo", version="1") == 7
 
 
-def test_requests_through_the_interceptor_are_counted_and_exemplars_carry_trace_ids(
+def test_requests_through_the_boundary_are_counted_and_exemplars_name_kept_traces(
     monkeypatch,
 ):
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
@@ -128,7 +128,8 @@ def test_requests_through_the_interceptor_are_counted_and_exemplars_carry_trace_
     ]
     assert all(isinstance(p, HistogramDataPoint) for p in points)
     exemplars = [e for p in points for e in p.exemplars]
-    assert exemplars
+    # Only the two kept traces (slow, aborted) are offered as exemplars, never a dropped one.
+    assert len(exemplars) == 2
     assert all(e.trace_id and e.span_id for e in exemplars)
 
     snapshot = stats_from_scrapes(before, after, window_s=1.0)

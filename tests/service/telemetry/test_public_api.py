@@ -11,7 +11,12 @@ def test_all_lists_exactly_the_public_names():
     }
     assert (
         set(telemetry.__all__)
-        - {"BATCH_SIZE_BUCKETS", "DURATION_BUCKETS_S", "SAMPLED_REASON_ATTRIBUTE"}
+        - {
+            "BATCH_SIZE_BUCKETS",
+            "BATCH_SPAN_NAME",
+            "DURATION_BUCKETS_S",
+            "SAMPLED_REASON_ATTRIBUTE",
+        }
         == public
     )
     for name in telemetry.__all__:

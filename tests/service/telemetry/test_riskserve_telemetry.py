@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 import grpc
@@ -59,6 +60,7 @@ def test_slow_and_failed_requests_arrive_with_batch_spans(otlp_env, models):
         lambda s: (
             sum(x.name == "riskserve.batch" for x in s) >= 3
             and sum(x.name.endswith("/Score") for x in s) >= 4
+            and sum(x.name == "riskserve.score" for x in s) >= 3
         ),
         timeout_s=10,
     )
@@ -74,6 +76,15 @@ def test_slow_and_failed_requests_arrive_with_batch_spans(otlp_env, models):
         assert root.attributes["riskserve.engine_us"] >= 25_000
         assert root.attributes["rpc.system"] == "grpc"
     assert failed[0].attributes["riskserve.sampled_reason"] == "error"
+    # Each scored request's stages are child spans of its server span, in order.
+    for root in scored:
+        stages = {s.name: s for s in spans if s.parent_span_id == root.span_id}
+        assert set(stages) == {"riskserve.validate", "riskserve.queue", "riskserve.score"}
+        assert all(s.trace_id == root.trace_id for s in stages.values())
+        assert stages["riskserve.score"].duration_ms >= 25.0
+        assert stages["riskserve.score"].attributes["riskserve.engine"] == "fake"
+    # The request that failed validation has no stage past the one it failed in.
+    assert not [s for s in spans if s.parent_span_id == failed[0].span_id]
     batches = [s for s in spans if s.name == "riskserve.batch"]
     linked = {link for b in batches for link in b.links}
     assert {(r.trace_id, r.span_id) for r in scored} <= linked
@@ -94,7 +105,13 @@ def test_prometheus_endpoint_counts_requests(models):
         with pytest.raises(grpc.RpcError):
             stub.Score(pb.ScoreRequest(features={"nope": 1.0}), timeout=5)
         url = server.server.telemetry.metrics_url
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        # A call is counted just after its status is sent: poll briefly for the last one.
+        deadline_s = time.monotonic() + 5
+        while True:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            if 'status="INVALID_ARGUMENT"' in text or time.monotonic() > deadline_s:
+                break
+            time.sleep(0.02)
 
     def value(pattern: str) -> float:
         match = re.search(pattern + r" ([0-9.e+]+)$", text, re.MULTILINE)

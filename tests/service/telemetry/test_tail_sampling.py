@@ -1,222 +1,154 @@
-"""The tail sampler on its own: bounds, batch-span linking, the ratio, late children."""
+"""The tail sampler on its own: the rules, stage and batch spans, the ratio, nothing held."""
 
 from __future__ import annotations
 
-import random
 import time
 
-from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanKind, StatusCode
 
 from service.telemetry import (
+    BATCH_SPAN_NAME,
     SAMPLED_REASON_ATTRIBUTE,
     TailSamplingPolicy,
-    TailSamplingProcessor,
-    batch_span,
+    Tracing,
 )
 
 MS = 1_000_000
+OK, NOT_FOUND = 0, 5
+CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CALLER_SPAN_ID = "b7ad6b7169203331"
 
 
-class SeededIds(IdGenerator):
-    def __init__(self, seed: int) -> None:
-        self._random = random.Random(seed)
-
-    def generate_span_id(self) -> int:
-        return self._random.getrandbits(64) or 1
-
-    def generate_trace_id(self) -> int:
-        return self._random.getrandbits(128) or 1
-
-
-def _pipeline(seed: int = 1, **policy):
+def _tracing(**policy) -> tuple[Tracing, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    decisions: list[str] = []
-    defaults = {"slow_threshold_ns": 5 * MS, "sample_ratio": 0.0}
-    defaults.update(policy)
-    sampler = TailSamplingProcessor(
-        SimpleSpanProcessor(exporter), TailSamplingPolicy(**defaults), decisions.append
+    values = {"slow_threshold_ns": 5 * MS, "sample_ratio": 0.0}
+    values.update(policy)
+    tracing = Tracing(
+        TailSamplingPolicy(**values),
+        SimpleSpanProcessor(exporter),
+        Resource.create({"service.name": "test"}),
+        InstrumentationScope("test"),
     )
-    provider = TracerProvider(
-        sampler=ALWAYS_ON, id_generator=SeededIds(seed), shutdown_on_exit=False
-    )
-    provider.add_span_processor(sampler)
-    return provider.get_tracer("test"), sampler, exporter, decisions
+    return tracing, exporter
 
 
-def _trace(tracer, duration_ns: int = 0, error: bool = False, children: int = 1):
-    start = time.time_ns()
-    root = tracer.start_span("root", start_time=start)
-    with trace.use_span(root, end_on_exit=False):
-        for _ in range(children):
-            tracer.start_span("child").end()
-    if error:
-        root.set_status(Status(StatusCode.ERROR))
-    root.end(end_time=start + duration_ns)
-    return root
+def _request(tracing: Tracing, *, took_ns: int = 0, metadata=()):
+    trace = tracing.start_request("svc/Method", {"rpc.method": "Method"}, metadata)
+    trace.start_ns -= took_ns  # as if the call had started that much earlier
+    return trace
 
 
-def test_keeps_slow_and_error_trees_whole_and_drops_fast_ones():
-    tracer, sampler, exporter, decisions = _pipeline()
-    _trace(tracer, duration_ns=1 * MS)
-    slow = _trace(tracer, duration_ns=6 * MS, children=3)
-    failed = _trace(tracer, error=True)
-    assert decisions == ["dropped", "slow", "error"]
+def test_keeps_slow_and_error_traces_with_their_stages_and_drops_fast_ones():
+    tracing, exporter = _tracing()
+    slow = _request(tracing, took_ns=6 * MS)
+    now = time.monotonic_ns()
+    slow.add_stage("riskserve.queue", now - 3 * MS, now - 1 * MS, {"k": 1})
+    assert tracing.end_request(slow, OK) == "slow"
+    failed = _request(tracing)
+    assert tracing.end_request(failed, NOT_FOUND, "NOT_FOUND") == "error"
+    fast = _request(tracing)
+    fast.add_stage("riskserve.queue", now, now + 1000)
+    assert tracing.end_request(fast, OK) == "dropped"
+
     spans = exporter.get_finished_spans()
-    assert len(spans) == 4 + 2
-    assert {s.context.trace_id for s in spans} == {
-        slow.get_span_context().trace_id,
-        failed.get_span_context().trace_id,
-    }
-    roots = [s for s in spans if s.parent is None]
-    assert sorted(s.attributes[SAMPLED_REASON_ATTRIBUTE] for s in roots) == ["error", "slow"]
-    assert sampler.stats().open_traces == 0
+    assert len(spans) == 3  # slow root + its stage, the failed root
+    stage = next(s for s in spans if s.name == "riskserve.queue")
+    root = next(s for s in spans if s.context.span_id == slow.span_id)
+    assert stage.parent.span_id == root.context.span_id
+    assert stage.context.trace_id == root.context.trace_id == slow.trace_id
+    assert stage.end_time - stage.start_time == 2 * MS  # monotonic times convert exactly
+    assert stage.attributes["k"] == 1
+    assert root.kind is SpanKind.SERVER
+    assert root.attributes[SAMPLED_REASON_ATTRIBUTE] == "slow"
+    assert root.attributes["rpc.grpc.status_code"] == OK
+    assert root.end_time - root.start_time >= 6 * MS
+    error = next(s for s in spans if s.context.span_id == failed.span_id)
+    assert error.status.status_code is StatusCode.ERROR
+    assert error.status.description == "NOT_FOUND"
+    assert error.attributes[SAMPLED_REASON_ATTRIBUTE] == "error"
+    assert tracing.stats().kept_by_reason == {"slow": 1, "error": 1}
+    assert tracing.stats().dropped_traces == 1
 
 
-def test_an_error_in_a_child_keeps_the_trace():
-    tracer, _, exporter, decisions = _pipeline()
-    root = tracer.start_span("root")
-    with trace.use_span(root, end_on_exit=True):
-        child = tracer.start_span("child")
-        child.set_status(Status(StatusCode.ERROR))
-        child.end()
-    assert decisions == ["error"]
-    assert len(exporter.get_finished_spans()) == 2
+def test_a_caller_sampled_parent_is_kept_and_continued_an_unsampled_one_only_continued():
+    tracing, exporter = _tracing()
+    sampled = _request(
+        tracing, metadata=[("traceparent", f"00-{CALLER_TRACE_ID}-{CALLER_SPAN_ID}-01")]
+    )
+    unsampled = _request(tracing, metadata=[("traceparent", f"00-{'1' * 32}-{CALLER_SPAN_ID}-00")])
+    assert tracing.end_request(sampled, OK) == "parent"
+    assert tracing.end_request(unsampled, OK) == "dropped"
+    assert unsampled.trace_id == int("1" * 32, 16)
+    (span,) = exporter.get_finished_spans()
+    assert f"{span.context.trace_id:032x}" == CALLER_TRACE_ID
+    assert f"{span.parent.span_id:016x}" == CALLER_SPAN_ID
+    assert span.parent.is_remote
 
 
 def test_ratio_keeps_the_configured_share_of_fast_traces():
-    tracer, sampler, _, decisions = _pipeline(seed=42, sample_ratio=0.25)
-    n = 4000
-    for _ in range(n):
-        _trace(tracer, children=0)
+    tracing, _ = _tracing(sample_ratio=0.25)
+    decisions = [tracing.end_request(_request(tracing), OK) for _ in range(4000)]
     kept = decisions.count("ratio")
-    # Binomial(4000, 0.25): sd = 27.4; allow 4 sd.
-    assert abs(kept - n * 0.25) < 4 * 27.4
-    assert sampler.stats().kept_by_reason == {"ratio": kept}
-    assert sampler.stats().dropped_traces == n - kept
+    assert 800 <= kept <= 1200  # 1000 expected; 6 standard deviations is about 165
+    assert kept + decisions.count("dropped") == 4000
 
 
-def test_open_traces_and_spans_per_trace_are_bounded():
-    tracer, sampler, exporter, _ = _pipeline(max_open_traces=10, max_spans_per_trace=3)
-    leaked = [tracer.start_span("never-ends") for _ in range(50)]
-    stats = sampler.stats()
-    assert stats.open_traces == 10
-    assert stats.overflow_traces == 40
-    for span in leaked:
-        span.end()
-    assert sampler.stats().open_traces == 0
-
-    root = tracer.start_span("root")
-    with trace.use_span(root, end_on_exit=False):
-        for _ in range(8):
-            tracer.start_span("child").end()
-    root.set_status(Status(StatusCode.ERROR))
-    root.end()
-    exported = [
-        s for s in exporter.get_finished_spans() if s.context.trace_id == root.context.trace_id
-    ]
-    assert len(exported) == 3 + 1
-    kept_root = next(s for s in exported if s.parent is None)
-    assert kept_root.attributes["riskserve.dropped_spans"] == 5
-    assert sampler.stats().overflow_spans == 5
-
-
-def test_nothing_is_held_after_many_traces():
-    tracer, sampler, _, _ = _pipeline(max_open_traces=100)
-    for _ in range(1000):
-        _trace(tracer, children=5)
-    stats = sampler.stats()
-    assert stats.open_traces == 0
-    assert stats.pending_batch_traces == 0
-    assert stats.overflow_traces == 0
-    assert len(sampler._root_of) == 0
-
-
-def test_batch_span_is_kept_with_a_kept_request_and_dropped_with_dropped_ones():
-    tracer, sampler, exporter, decisions = _pipeline()
-    fast = tracer.start_span("request-fast")
-    slow_start = time.time_ns()
-    slow = tracer.start_span("request-slow", start_time=slow_start)
-    links = [fast.get_span_context(), slow.get_span_context()]
-    with batch_span(tracer, links, {"n": 2}):
-        tracer.start_span("engine").end()
-    assert sampler.stats().pending_batch_traces == 1
-    fast.end()
-    assert sampler.stats().pending_batch_traces == 1  # still waits on the slow request
-    slow.end(end_time=slow_start + 10 * MS)
-    assert decisions == ["dropped", "slow", "linked"]
-    names = sorted(s.name for s in exporter.get_finished_spans())
-    assert names == ["engine", "request-slow", "riskserve.batch"]
-    batch = next(s for s in exporter.get_finished_spans() if s.name == "riskserve.batch")
-    assert batch.parent is None
-    assert batch.attributes[SAMPLED_REASON_ATTRIBUTE] == "linked"
-    assert {link.context.span_id for link in batch.links} == {
-        fast.get_span_context().span_id,
-        slow.get_span_context().span_id,
+def test_a_batch_span_is_exported_once_with_its_first_kept_request_and_links_them_all():
+    tracing, exporter = _tracing()
+    requests = [_request(tracing, took_ns=6 * MS), _request(tracing), _request(tracing)]
+    batch = tracing.start_batch([*requests, None], {"riskserve.batch.size": 4})
+    batch.end({"riskserve.engine": "fake"})
+    for request in requests:
+        request.batch = batch
+    reasons = [tracing.end_request(r, OK if i < 2 else NOT_FOUND) for i, r in enumerate(requests)]
+    assert reasons == ["slow", "dropped", "error"]
+    batches = [s for s in exporter.get_finished_spans() if s.name == BATCH_SPAN_NAME]
+    assert len(batches) == 1
+    (span,) = batches
+    assert span.parent is None
+    assert span.context.trace_id not in {r.trace_id for r in requests}
+    assert {(link.context.trace_id, link.context.span_id) for link in span.links} == {
+        (r.trace_id, r.span_id) for r in requests
     }
+    assert span.attributes["riskserve.batch.size"] == 4
+    assert span.attributes["riskserve.engine"] == "fake"
 
-    exporter.clear()
-    lone = tracer.start_span("request")
-    with batch_span(tracer, [lone.get_span_context()]):
-        pass
-    lone.end()
+
+def test_a_batch_whose_requests_are_all_dropped_is_never_exported():
+    tracing, exporter = _tracing()
+    requests = [_request(tracing) for _ in range(3)]
+    batch = tracing.start_batch(requests, {})
+    batch.end({})
+    for request in requests:
+        request.batch = batch
+        tracing.end_request(request, OK)
     assert exporter.get_finished_spans() == ()
-    assert decisions[-2:] == ["dropped", "dropped"]
-    assert sampler.stats().pending_batch_traces == 0
 
 
-def test_batch_linking_a_request_already_kept_is_exported_at_once():
-    tracer, _, exporter, decisions = _pipeline()
-    request = tracer.start_span("request")
-    request.set_status(Status(StatusCode.ERROR))
-    request.end()
-    with batch_span(tracer, [request.get_span_context()]):
-        pass
-    assert decisions == ["error", "linked"]
-    assert len(exporter.get_finished_spans()) == 2
+def test_export_all_keeps_everything_without_a_reason_attribute():
+    tracing, exporter = _tracing(export_all=True)
+    for _ in range(5):
+        assert tracing.end_request(_request(tracing), OK) == "all"
+    spans = exporter.get_finished_spans()
+    assert len(spans) == 5
+    assert all(SAMPLED_REASON_ATTRIBUTE not in s.attributes for s in spans)
 
 
-def test_pending_batches_are_bounded():
-    tracer, sampler, _, _ = _pipeline(max_pending_batch_traces=4)
-    requests = [tracer.start_span("request") for _ in range(10)]
-    for request in requests:
-        with batch_span(tracer, [request.get_span_context()]):
-            pass
-    stats = sampler.stats()
-    assert stats.pending_batch_traces == 4
-    assert stats.evicted_batch_traces == 6
-    for request in requests:
-        request.end()
-    assert sampler.stats().pending_batch_traces == 0
-
-
-def test_a_child_ending_after_its_kept_root_is_still_exported():
-    tracer, _, exporter, _ = _pipeline()
-    start = time.time_ns()
-    root = tracer.start_span("root", start_time=start)
-    with trace.use_span(root, end_on_exit=False):
-        late = tracer.start_span("late")
-    root.end(end_time=start + 10 * MS)
-    late.end()
-    assert sorted(s.name for s in exporter.get_finished_spans()) == ["late", "root"]
-
-
-def test_two_local_roots_in_one_caller_trace_are_decided_apart():
-    tracer, _, exporter, _ = _pipeline()
-    caller = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(0))
-    parent = trace.set_span_in_context(NonRecordingSpan(caller))
-    start = time.time_ns()
-    fast = tracer.start_span("fast", context=parent)
-    slow = tracer.start_span("slow", context=parent, start_time=start)
-    with trace.use_span(slow, end_on_exit=False):
-        tracer.start_span("slow-child").end()
-    with trace.use_span(fast, end_on_exit=False):
-        tracer.start_span("fast-child").end()
-    fast.end()
-    slow.end(end_time=start + 10 * MS)
-    assert sorted(s.name for s in exporter.get_finished_spans()) == ["slow", "slow-child"]
+def test_nothing_is_held_between_requests():
+    tracing, _ = _tracing(sample_ratio=0.5)
+    open_now = [_request(tracing) for _ in range(10)]
+    assert tracing.stats().open_traces == 10
+    for trace in open_now:
+        tracing.end_request(trace, OK)
+    for _ in range(10_000):
+        tracing.end_request(_request(tracing), OK)
+    stats = tracing.stats()
+    assert stats.open_traces == 0
+    assert sum(stats.kept_by_reason.values()) + stats.dropped_traces == 10_010
+    # The sampler's whole state is a few counters: no table grows with the traffic.
+    assert len(vars(tracing)) == len(vars(_tracing()[0]))
+    assert len(tracing.decisions()) <= 2

@@ -1,0 +1,367 @@
+"""Request and batch traces recorded cheaply, tail-sampled, and only then made into spans.
+
+The Python SDK makes every span a full object as it starts (ids, attribute checks, processor
+calls: 10-30 µs each here), and neither it nor its contrib packages can decide to keep a trace
+after it ended. So the request path records plain values instead: a `RequestTrace` per RPC with
+its stage timings, and a `BatchTrace` per executed batch that links the requests it served.
+When the RPC ends, `Tracing.end_request` decides, by these rules in order:
+
+    error   the RPC ended with a status other than OK
+    slow    it lasted at least the slow threshold
+    parent  the caller's traceparent was marked sampled
+    ratio   its trace id falls in the configured share (the rule of TraceIdRatioBased)
+
+Only a kept trace is turned into SDK `ReadableSpan`s (the server span, its stage spans, and the
+batch span the first time one of its requests is kept) and handed to the export processor,
+which batches and exports off the event loop. A dropped trace costs a few attribute writes.
+Nothing is buffered between requests: a record lives as long as its RPC (whose number the
+batcher's queue bounds), so no open-trace table can grow.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import (
+    Link,
+    SpanContext,
+    SpanKind,
+    Status,
+    StatusCode,
+    TraceFlags,
+    format_trace_id,
+    get_current_span,
+)
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import AttributeValue
+
+__all__ = [
+    "BATCH_SPAN_NAME",
+    "SAMPLED_REASON_ATTRIBUTE",
+    "BatchTrace",
+    "RequestTrace",
+    "TailSamplingPolicy",
+    "TailSamplingStats",
+    "Tracing",
+    "current_request_trace",
+    "current_trace_id",
+]
+
+SAMPLED_REASON_ATTRIBUTE = "riskserve.sampled_reason"
+BATCH_SPAN_NAME = "riskserve.batch"
+
+REASON_ERROR = "error"
+REASON_SLOW = "slow"
+REASON_PARENT = "parent"
+REASON_RATIO = "ratio"
+REASON_ALL = "all"
+DECISION_DROPPED = "dropped"
+
+_TRACE_ID_LOW_MASK = (1 << 64) - 1
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_PROPAGATOR = TraceContextTextMapPropagator()
+_OK = Status(StatusCode.UNSET)
+
+Attributes = dict[str, AttributeValue]
+
+
+def _new_id(bits: int) -> int:
+    # As the SDK's RandomIdGenerator; zero is the invalid id, so draw again (about never).
+    value = random.getrandbits(bits)
+    while not value:
+        value = random.getrandbits(bits)
+    return value
+
+
+@dataclass(frozen=True)
+class TailSamplingPolicy:
+    """When to keep a trace; `export_all` keeps every one (a Collector samples instead)."""
+
+    slow_threshold_ns: int
+    sample_ratio: float
+    export_all: bool = False
+
+    @property
+    def ratio_bound(self) -> int:
+        return round(self.sample_ratio * (1 << 64))
+
+
+@dataclass(frozen=True)
+class TailSamplingStats:
+    """Decisions since start, and the requests whose trace is open now."""
+
+    kept_by_reason: dict[str, int]
+    dropped_traces: int
+    open_traces: int
+
+
+class BatchTrace:
+    """One executed batch: a root span of its own trace, linked to the requests it served."""
+
+    __slots__ = ("attributes", "end_ns", "exported", "links", "span_id", "start_ns", "trace_id")
+
+    def __init__(self, links: list[SpanContext], attributes: Attributes) -> None:
+        self.trace_id = _new_id(128)
+        self.span_id = _new_id(64)
+        self.links = links
+        self.attributes = attributes
+        self.start_ns = time.time_ns()
+        self.end_ns = 0
+        self.exported = False
+
+    def end(self, attributes: Attributes) -> None:
+        self.end_ns = time.time_ns()
+        self.attributes.update(attributes)
+
+
+@dataclass(slots=True)
+class _Stage:
+    name: str
+    start_ns: int
+    end_ns: int
+    attributes: Attributes | None
+
+
+@dataclass(slots=True)
+class RequestTrace:
+    """What one RPC's server span and its stage spans will say, if the trace is kept."""
+
+    trace_id: int
+    span_id: int
+    parent: SpanContext | None
+    name: str
+    attributes: Attributes
+    # Wall-clock start, and wall minus monotonic, so monotonic stage times convert exactly.
+    start_ns: int = field(default_factory=time.time_ns)
+    offset_ns: int = 0
+    stages: list[_Stage] = field(default_factory=list)
+    batch: BatchTrace | None = None
+
+    @property
+    def context(self) -> SpanContext:
+        return SpanContext(self.trace_id, self.span_id, is_remote=False, trace_flags=_SAMPLED)
+
+    def add_stage(
+        self,
+        name: str,
+        start_monotonic_ns: int,
+        end_monotonic_ns: int,
+        attributes: Attributes | None = None,
+    ) -> None:
+        """A child span from monotonic timestamps (e.g. the queue wait), made only if kept."""
+        offset = self.offset_ns
+        self.stages.append(
+            _Stage(name, start_monotonic_ns + offset, end_monotonic_ns + offset, attributes)
+        )
+
+
+_CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
+    "riskserve_request_trace", default=None
+)
+
+
+def current_request_trace() -> RequestTrace | None:
+    """The trace of the RPC being handled (None outside one, or with tracing off)."""
+    return _CURRENT.get()
+
+
+def current_trace_id() -> str:
+    """The current trace id as 32 hex digits ('' outside a trace), for errors and logs."""
+    trace = _CURRENT.get()
+    if trace is not None:
+        return format_trace_id(trace.trace_id)
+    context = get_current_span().get_span_context()
+    return format_trace_id(context.trace_id) if context.is_valid else ""
+
+
+def _parent_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> SpanContext | None:
+    """The caller's span from W3C `traceparent`/`tracestate` metadata, if it sent one."""
+    carrier: dict[str, str] | None = None
+    for key, value in metadata or ():
+        if (key == "traceparent" or key == "tracestate") and isinstance(value, str):
+            carrier = carrier or {}
+            carrier[key] = value
+    if carrier is None:
+        return None
+    context = get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+    return context if context.is_valid else None
+
+
+class Tracing:
+    """Starts request and batch traces, decides at each request's end, exports what is kept."""
+
+    def __init__(
+        self,
+        policy: TailSamplingPolicy,
+        export: SpanProcessor,
+        resource: Resource,
+        scope: InstrumentationScope,
+    ) -> None:
+        self._policy = policy
+        self._slow_ns = policy.slow_threshold_ns
+        self._ratio_bound = policy.ratio_bound
+        self._export = export
+        self._resource = resource
+        self._scope = scope
+        self._kept: dict[str, int] = {}
+        self._dropped = 0
+        self._open = 0
+
+    # -- the request path (event loop thread) ----------------------------------------------
+
+    def start_request(
+        self,
+        name: str,
+        attributes: Attributes,
+        metadata: Iterable[tuple[str, str | bytes]] | None = None,
+    ) -> RequestTrace:
+        parent = _parent_from(metadata)
+        trace_id = parent.trace_id if parent is not None else _new_id(128)
+        start_ns = time.time_ns()
+        self._open += 1
+        return RequestTrace(
+            trace_id,
+            _new_id(64),
+            parent,
+            name,
+            attributes,
+            start_ns,
+            start_ns - time.monotonic_ns(),
+        )
+
+    def activate(self, trace: RequestTrace) -> contextvars.Token[RequestTrace | None]:
+        return _CURRENT.set(trace)
+
+    def deactivate(self, token: contextvars.Token[RequestTrace | None]) -> None:
+        _CURRENT.reset(token)
+
+    def start_batch(
+        self, requests: Sequence[RequestTrace | None], attributes: Attributes
+    ) -> BatchTrace:
+        links = [r.context for r in requests if r is not None]
+        return BatchTrace(links, attributes)
+
+    def end_request(self, trace: RequestTrace, status_code: int, description: str = "") -> str:
+        """Decide and, if kept, export; returns the reason or 'dropped'.
+
+        `status_code` is the gRPC status as a number (0 is OK).
+        """
+        end_ns = time.time_ns()
+        self._open -= 1
+        reason = self._reason(trace, status_code, end_ns)
+        if reason == DECISION_DROPPED:
+            self._dropped += 1
+            return reason
+        self._kept[reason] = self._kept.get(reason, 0) + 1
+        self._emit(trace, status_code, description, end_ns, reason)
+        return reason
+
+    def _reason(self, trace: RequestTrace, status_code: int, end_ns: int) -> str:
+        if self._policy.export_all:
+            return REASON_ALL
+        if status_code != 0:
+            return REASON_ERROR
+        if end_ns - trace.start_ns >= self._slow_ns:
+            return REASON_SLOW
+        parent = trace.parent
+        if parent is not None and parent.trace_flags.sampled:
+            return REASON_PARENT
+        if (trace.trace_id & _TRACE_ID_LOW_MASK) < self._ratio_bound:
+            return REASON_RATIO
+        return DECISION_DROPPED
+
+    # -- export (kept traces only) ---------------------------------------------------------
+
+    def _emit(
+        self, trace: RequestTrace, status_code: int, description: str, end_ns: int, reason: str
+    ) -> None:
+        context = trace.context
+        attributes = dict(trace.attributes)
+        attributes["rpc.grpc.status_code"] = status_code
+        if reason != REASON_ALL:
+            attributes[SAMPLED_REASON_ATTRIBUTE] = reason
+        status = Status(StatusCode.ERROR, description) if status_code != 0 else _OK
+        for stage in trace.stages:
+            self._span(
+                stage.name,
+                SpanContext(trace.trace_id, _new_id(64), False, _SAMPLED),
+                context,
+                SpanKind.INTERNAL,
+                stage.attributes or {},
+                stage.start_ns,
+                stage.end_ns,
+            )
+        self._span(
+            trace.name,
+            context,
+            trace.parent,
+            SpanKind.SERVER,
+            attributes,
+            trace.start_ns,
+            end_ns,
+            status=status,
+        )
+        batch = trace.batch
+        if batch is not None and not batch.exported and batch.end_ns:
+            batch.exported = True
+            self._span(
+                BATCH_SPAN_NAME,
+                SpanContext(batch.trace_id, batch.span_id, False, _SAMPLED),
+                None,
+                SpanKind.INTERNAL,
+                batch.attributes,
+                batch.start_ns,
+                batch.end_ns,
+                links=[Link(c) for c in batch.links],
+            )
+
+    def _span(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        kind: SpanKind,
+        attributes: Attributes,
+        start_ns: int,
+        end_ns: int,
+        *,
+        status: Status = _OK,
+        links: Sequence[Link] = (),
+    ) -> None:
+        self._export.on_end(
+            ReadableSpan(
+                name=name,
+                context=context,
+                parent=parent,
+                resource=self._resource,
+                attributes=attributes,
+                links=links,
+                kind=kind,
+                status=status,
+                start_time=start_ns,
+                end_time=end_ns,
+                instrumentation_scope=self._scope,
+            )
+        )
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def stats(self) -> TailSamplingStats:
+        return TailSamplingStats(dict(self._kept), self._dropped, self._open)
+
+    def decisions(self) -> dict[str, int]:
+        """Traces decided so far by outcome: each keep reason, and 'dropped'."""
+        return {**self._kept, DECISION_DROPPED: self._dropped}
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._export.force_flush(timeout_millis)
+
+    def shutdown(self) -> None:
+        self._export.shutdown()
