@@ -63,7 +63,7 @@ class Settings(BaseSettings):
         0, ge=0, description="Extra wait for a fuller batch when the engine is idle."
     )
     engine_workers: int = Field(
-        0, ge=0, description="Batches in flight per model; 0 = the engine's own concurrency."
+        0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."
     )
     processes: int = Field(
         1, ge=1, description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port."

@@ -82,6 +82,16 @@ class RiskServer:
         log.info("stopped")
 
 
+def default_engine_workers() -> int:
+    """Engine threads per model when not configured: half the cores, between 1 and 4.
+
+    The event loop and gRPC's own threads need the other half. On two cores one worker gave
+    lower p99 than two at every rate measured (docs/benchmarks.md): a second batch in flight
+    only competes for the same core and makes the batches smaller.
+    """
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
 def telemetry_config(settings: Settings) -> TelemetryConfig:
     return TelemetryConfig(
         budget_ms=settings.budget_ms,
@@ -135,7 +145,7 @@ async def build_server(
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     """
     telemetry = setup_telemetry(telemetry_config(settings))
-    workers = settings.engine_workers or 2
+    workers = settings.engine_workers or default_engine_workers()
     # Model loading and warm-up run here; each batcher runs its engine calls on its own threads.
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="model-loader")
     if engine_factory is None:
