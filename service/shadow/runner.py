@@ -115,6 +115,8 @@ class ShadowRunner:
         if self.full or not self._announce(job):
             self.drop(job.model)
             return False
+        if self._supervisor is None:
+            self._start_worker()
         self._write(encode_job(job))
         self.submitted += 1
         self.in_flight += 1
@@ -122,15 +124,15 @@ class ShadowRunner:
         return True
 
     def start(self) -> None:
-        """Start the worker process and its supervisor; call inside the running event loop.
-
-        Jobs are accepted from now on; those sent before the worker is up wait for it.
-        """
-        if self._supervisor is None:
+        """Accept jobs from now on; the worker process starts with the first one, so a server
+        whose experiments shadow nothing runs none. Call inside the running event loop."""
+        if not self._closing and self._supervisor is None:
             self._begin_worker()
-            self._supervisor = asyncio.get_running_loop().create_task(
-                self._supervise(), name="shadow-supervisor"
-            )
+
+    def _start_worker(self) -> None:
+        self._supervisor = asyncio.get_running_loop().create_task(
+            self._supervise(), name="shadow-supervisor"
+        )
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Refuse new jobs; let the worker score, log and acknowledge what it has, then exit.
