@@ -6,9 +6,11 @@ the budget (with at most the allowed error rate) and of p99 at a common rate, wr
 as JSON under bench/results/, and draw latency against achieved throughput as a PNG.
 
 Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH_SIZE=1),
-``triton``, ``mlserver``. Clients: ``loadgen`` (Python, open-loop Poisson and closed loop) or
-``perf_analyzer`` (C++, lower CPU; MLServer lacks the ModelConfig call it needs, so MLServer
-falls back to loadgen and its rows say so). The client shares the cores with the server.
+``triton``, ``mlserver``; also, on request, ``riskserve-notrace`` (RISKSERVE_TRACING=false)
+and ``riskserve-2proc`` (two server processes on one port). Clients: ``loadgen`` (Python,
+open-loop Poisson and closed loop) or ``perf_analyzer`` (C++, lower CPU; MLServer lacks the
+ModelConfig call it needs, so MLServer falls back to loadgen and its rows say so). The client
+shares the cores with the server.
 
     .venv/bin/python -m bench.compare --servers triton,mlserver --rates 250,500,1000,1500 \
         --duration-s 5
@@ -93,6 +95,10 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         env["RISKSERVE_MAX_BATCH_SIZE"] = "1"
     else:
         env["RISKSERVE_MAX_BATCH_SIZE"] = str(knobs.max_batch_size)
+    if name == "riskserve-notrace":
+        env["RISKSERVE_TRACING"] = "false"
+    if name == "riskserve-2proc":
+        env["RISKSERVE_PROCESSES"] = "2"
     return ServerSpec(
         name=name,
         argv=(str(RISKSERVE_BIN), "serve", "--port", str(port)),

@@ -1,30 +1,40 @@
-"""Per-span cost of the in-process tail sampler.
+"""What tracing costs: the request path's recording alone, and a live server on against off.
 
-Each trace is a root with `--children` child spans (a fast, OK request, the common case:
-dropped at ratio 0.01). Two measurements:
+1. Recording, in process: the calls one scored request makes on `Tracing` (start, three stage
+   records, its share of a batch of 8, end) with the deployed policy (ratio 0.01: almost every
+   fast trace dropped) and with every trace kept and exported, against the plain SDK's cost of
+   starting and ending the two spans a request would need. Median of interleaved repeats.
+2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), started in turn for
+   `--rounds` alternating rounds, each driven by perf_analyzer at closed-loop concurrency
+   `--concurrency` (the most it serves) and at the open-loop rate `--rate-rps` (a moderate
+   load); throughput, p50/p99 and server CPU per request, medians over the rounds.
 
-- replay: spans recorded once are fed through the processor's on_start/on_end in trace order,
-  timing the processor alone (downstream discards), so span creation and machine noise from
-  the SDK itself stay out;
-- end to end: start + end of real spans with no processor, plain BatchSpanProcessor export of
-  everything, and the tail sampler in front of the same BatchSpanProcessor.
-
-    python bench/tracing_overhead.py [--traces 20000] [--children 3] [--repeats 5]
+    .venv/bin/python -m bench.tracing_overhead --rounds 3 --rate-rps 300
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanKind
 
-from service.telemetry import TailSamplingPolicy, TailSamplingProcessor
+from bench.compare import RESULTS_DIR, Knobs, server_spec
+from bench.model_io import resolve_model_path
+from bench.perf_analyzer import PerfAnalyzer, PerfPlan
+from bench.results import PointResult
+from bench.servers import ServerProcess
+from service.telemetry import TailSamplingPolicy, Tracing
+
+BATCH_REQUESTS = 8
 
 
 class DiscardingExporter(SpanExporter):
@@ -32,100 +42,146 @@ class DiscardingExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def _provider(kind: str) -> TracerProvider:
-    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
-    export = BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 16)
-    if kind == "tail":
-        policy = TailSamplingPolicy(slow_threshold_ns=5_000_000, sample_ratio=0.01)
-        provider.add_span_processor(TailSamplingProcessor(export, policy))
-    elif kind == "batch":
-        provider.add_span_processor(export)
-    return provider
+def _tracing(**policy: object) -> Tracing:
+    values: dict = {"slow_threshold_ns": 5_000_000, "sample_ratio": 0.01}
+    values.update(policy)
+    return Tracing(
+        TailSamplingPolicy(**values),
+        BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 16),
+        Resource.create({}),
+        InstrumentationScope("bench"),
+    )
 
 
-def _run(tracer: trace.Tracer, traces: int, children: int) -> float:
-    """Seconds for `traces` traces of 1 + `children` spans."""
+def _record(tracing: Tracing, requests: int) -> float:
+    """Seconds per request for the recording the request path does."""
     started = time.perf_counter()
-    for _ in range(traces):
-        root = tracer.start_span("root", kind=trace.SpanKind.SERVER)
-        context = trace.set_span_in_context(root)
-        for _ in range(children):
-            tracer.start_span("child", context=context).end()
-        root.end()
-    return time.perf_counter() - started
+    for _ in range(requests // BATCH_REQUESTS):
+        traces = [
+            tracing.start_request("svc/Score", {"rpc.system": "grpc", "rpc.method": "Score"})
+            for _ in range(BATCH_REQUESTS)
+        ]
+        batch = tracing.start_batch(traces, {"riskserve.batch.size": BATCH_REQUESTS})
+        batch.end({"riskserve.engine": "onnxruntime-cpu"})
+        now = time.monotonic_ns()
+        for trace in traces:
+            trace.add_stage("riskserve.validate", now, now + 10_000)
+            trace.add_stage("riskserve.queue", now, now + 20_000)
+            trace.add_stage("riskserve.score", now, now + 30_000, {"riskserve.batch.size": 8})
+            trace.batch = batch
+            trace.attributes["riskserve.model"] = "fraud-demo"
+            tracing.end_request(trace, 0)
+    return (time.perf_counter() - started) / requests
 
 
-def measure(kind: str, traces: int, children: int, repeats: int) -> float:
-    provider = _provider(kind)
+def _sdk_spans(provider: TracerProvider, requests: int) -> float:
+    """Seconds per request to start and end a server span and its share of a batch span."""
     tracer = provider.get_tracer("bench")
-    _run(tracer, traces // 10, children)  # warm up
-    best_s = min(_run(tracer, traces, children) for _ in range(repeats))
+    started = time.perf_counter()
+    for i in range(requests):
+        span = tracer.start_span("svc/Score", kind=SpanKind.SERVER)
+        if i % BATCH_REQUESTS == 0:
+            tracer.start_span("riskserve.batch").end()
+        span.end()
+    return (time.perf_counter() - started) / requests
+
+
+def recording(requests: int, repeats: int) -> dict[str, float]:
+    provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
+    provider.add_span_processor(BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 16))
+    runs: dict[str, Callable[[], float]] = {
+        "riskserve tracing, ratio 0.01 (deployed)": lambda: _record(_tracing(), requests),
+        "riskserve tracing, every trace exported": lambda: _record(
+            _tracing(export_all=True), requests
+        ),
+        "SDK spans, 2 per request, all exported": lambda: _sdk_spans(provider, requests),
+    }
+    results: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):  # interleaved, so drift in machine load hits them alike
+        for name, run in runs.items():
+            results[name].append(run())
     provider.shutdown()
-    return best_s / (traces * (1 + children)) * 1e9
+    return {name: statistics.median(values) for name, values in results.items()}
 
 
-def _recorded_traces(traces: int, children: int) -> list[list[Span]]:
-    """Ended spans per trace, root first, recorded with no processor attached."""
-    tracer = _provider("none").get_tracer("bench")
-    recorded = []
-    for _ in range(traces):
-        root = tracer.start_span("root", kind=trace.SpanKind.SERVER)
-        context = trace.set_span_in_context(root)
-        spans: list[Span] = [root]
-        for _ in range(children):
-            child = tracer.start_span("child", context=context)
-            child.end()
-            spans.append(child)
-        root.end()
-        recorded.append(spans)
-    return recorded
+def _point(analyzer: PerfAnalyzer, mode: str, load: float, cpu: Callable[[], float]):
+    before = cpu()
+    point = analyzer.run_point(mode, load)
+    cpu_s = cpu() - before
+    return point, cpu_s
 
 
-def replay_ns_per_span(recorded: list[list[Span]], repeats: int) -> float:
-    """The processor's on_start + on_end per span, median of `repeats` passes."""
-    per_span_ns = []
-    spans_total = sum(len(spans) for spans in recorded)
-    for _ in range(repeats):
-        policy = TailSamplingPolicy(slow_threshold_ns=5_000_000, sample_ratio=0.01)
-        processor = TailSamplingProcessor(SpanProcessor(), policy)
-        on_start, on_end = processor.on_start, processor.on_end
-        started = time.perf_counter_ns()
-        for root, *children in recorded:
-            on_start(root)
-            for child in children:
-                on_start(child)
-                on_end(child)
-            on_end(root)
-        per_span_ns.append((time.perf_counter_ns() - started) / spans_total)
-    return statistics.median(per_span_ns)
+def end_to_end(args: argparse.Namespace) -> dict[str, list[tuple[PointResult, float]]]:
+    onnx_path = resolve_model_path(None)
+    knobs = Knobs(64, 200, 0.0005, 1, args.riskserve_budget_ms)
+    plan = PerfPlan(target="", window_s=args.window_s, windows=3)
+    results: dict[str, list[tuple[PointResult, float]]] = {}
+    for round_ in range(args.rounds):
+        for name in ("riskserve", "riskserve-notrace"):
+            spec = server_spec(name, onnx_path, knobs)
+            with ServerProcess(spec, RESULTS_DIR / "logs" / f"{name}.log") as server:
+                run_plan = PerfPlan(**{**plan.__dict__, "target": server.target})
+                with PerfAnalyzer(run_plan, onnx_path, server_label=name) as analyzer:
+                    analyzer.run_point("concurrency", 4)  # warm-up
+                    for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
+                        point, cpu_s = _point(analyzer, mode, load, server.cpu_seconds)
+                        results.setdefault(f"{name} {mode} {load:g}", []).append((point, cpu_s))
+                        print(
+                            f"round {round_ + 1} {name:18} {mode:11} {load:>5g}: "
+                            f"{point.throughput_rps:7.1f} req/s  p50 {point.p50_ms:6.2f}  "
+                            f"p99 {point.p99_ms:6.2f} ms  server CPU "
+                            f"{_cpu_ms(point, cpu_s):.3f} ms/req",
+                            flush=True,
+                        )
+    return results
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def _cpu_ms(point: PointResult, cpu_s: float) -> float:
+    # CPU over the whole perf_analyzer run (3 windows plus its start), per request it sent
+    # in the windows: an upper bound, equally so for both servers.
+    total = point.throughput_rps * point.duration_s * 3
+    return cpu_s / total * 1e3 if total else float("nan")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--traces", type=int, default=20000)
-    parser.add_argument("--children", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds (0: skip)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--rate-rps", dest="rate", type=float, default=300.0)
+    parser.add_argument("--window-s", type=float, default=2.0)
+    parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
     args = parser.parse_args(argv)
-    recorded = _recorded_traces(args.traces, args.children)
-    replay_ns = replay_ns_per_span(recorded, args.repeats)
-    print(f"spans per trace: {1 + args.children}, traces per run: {args.traces}")
-    print(f"replay: tail sampler on_start + on_end: {replay_ns:.0f} ns per span (median)")
-    results: dict[str, list[float]] = {"none": [], "batch": [], "tail": []}
-    run: Callable[[str], float] = lambda kind: measure(  # noqa: E731
-        kind, args.traces, args.children, args.repeats
-    )
-    # Interleave the pipelines so drift in machine load hits them alike.
-    for _ in range(3):
-        for kind in results:
-            results[kind].append(run(kind))
-    median = {kind: statistics.median(values) for kind, values in results.items()}
-    for kind, ns in median.items():
-        print(f"end to end, {kind:>5}: {ns:8.0f} ns per span (start + end, median)")
-    print(f"tail sampler overhead over no processor: {median['tail'] - median['none']:.0f} ns/span")
-    print(
-        f"plain batch export overhead:             {median['batch'] - median['none']:.0f} ns/span"
-    )
+
+    print("1. recording cost per request (median of interleaved repeats)")
+    costs = recording(args.requests, args.repeats)
+    for name, seconds in costs.items():
+        print(f"   {name:42} {seconds * 1e6:6.2f} µs")
+    if args.rounds <= 0:
+        return 0
+    print("2. live server, tracing on against off (perf_analyzer on the same cores)")
+    results = end_to_end(args)
+
+    def median(key: str, value: Callable[[PointResult, float], float]) -> float:
+        return statistics.median(value(p, c) for p, c in results[key])
+
+    for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
+        on, off = f"riskserve {mode} {load:g}", f"riskserve-notrace {mode} {load:g}"
+        tput_on = median(on, lambda p, c: p.throughput_rps)
+        tput_off = median(off, lambda p, c: p.throughput_rps)
+        p99_on = median(on, lambda p, c: p.p99_ms)
+        p99_off = median(off, lambda p, c: p.p99_ms)
+        cpu_on = median(on, lambda p, c: _cpu_ms(p, c))
+        cpu_off = median(off, lambda p, c: _cpu_ms(p, c))
+        print(
+            f"   {mode} {load:g}: throughput on/off {tput_on:.1f}/{tput_off:.1f} req/s "
+            f"({(tput_on / tput_off - 1) * 100:+.1f} %), p99 on/off {p99_on:.2f}/{p99_off:.2f} "
+            f"ms ({p99_on - p99_off:+.2f} ms), server CPU on/off {cpu_on:.3f}/{cpu_off:.3f} "
+            f"ms/req ({(cpu_on / cpu_off - 1) * 100:+.1f} %)"
+        )
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
