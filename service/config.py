@@ -121,6 +121,9 @@ class Settings(BaseSettings):
     shadow_flush_interval_s: float = Field(
         1.0, gt=0, description="Experiment log files are written at least this often."
     )
+    shadow_pass_interval_s: float = Field(
+        0.1, ge=0, description="The shadow worker scores what has arrived at most this often."
+    )
     trace_slow_ms: float | None = Field(
         None, gt=0, description="Traces at least this slow are always kept (default: budget / 2)."
     )

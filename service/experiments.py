@@ -45,6 +45,7 @@ class Experiments:
         *,
         max_queued_jobs: int,
         flush_interval_s: float,
+        pass_interval_s: float = 0.1,
         telemetry: Telemetry | None = None,
     ) -> None:
         self._registry = registry
@@ -60,6 +61,7 @@ class Experiments:
             replica_id=f"{self.log.replica_id}-shadow",
             flush_interval_s=flush_interval_s,
             max_queued_jobs=max_queued_jobs,
+            pass_interval_s=pass_interval_s,
         )
         self._watcher: asyncio.Task[None] | None = None
 

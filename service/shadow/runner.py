@@ -67,13 +67,14 @@ class ShadowRunner:
         replica_id: str,
         flush_interval_s: float = 1.0,
         max_queued_jobs: int = 1024,
+        pass_interval_s: float = 0.1,
         restart_delay_s: float = 1.0,
         max_restart_delay_s: float = 60.0,
     ) -> None:
         if max_queued_jobs <= 0:
             raise ValueError("max_queued_jobs must be positive")
         self._version_dir = version_dir
-        self._config = ("config", log_prefix, replica_id, flush_interval_s)
+        self._config = ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s)
         self.max_queued_jobs = max_queued_jobs
         self._restart_delay_s = restart_delay_s
         self._max_restart_delay_s = max_restart_delay_s
@@ -140,21 +141,22 @@ class ShadowRunner:
         Jobs not acknowledged within `timeout_s` are counted as dropped (the worker is killed).
         """
         self._closing = True
-        transport = self._transport
-        if self._supervisor is None:
+        supervisor = self._supervisor
+        if supervisor is None:
             return
-        if not self._accepting:  # the worker died: its jobs are already counted
+        if not self._accepting:  # no worker holds accepted jobs (it died; they are counted)
             self._kill()
-            self._supervisor.cancel()
-        elif transport is not None:  # else the worker being started gets the end of input
-            transport.write_eof()
-        try:
-            await asyncio.wait_for(asyncio.shield(self._supervisor), timeout_s)
-        except TimeoutError:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
+            return
+        if self._transport is not None:  # else the worker being started gets the end of input
+            self._transport.write_eof()
+        done, _ = await asyncio.wait({supervisor}, timeout=timeout_s)
+        if not done:
             _log.warning("shadow worker did not finish within %.1f s; killing it", timeout_s)
             self._kill()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._supervisor
+            await asyncio.wait({supervisor})
         self._lose_in_flight()
 
     def _begin_worker(self) -> None:
@@ -221,7 +223,9 @@ class ShadowRunner:
             except Exception:
                 _log.exception("shadow worker failed")
                 code = None
+            self._accepting = False  # what was written for this worker is lost with it
             if self._closing:
+                self._lose_in_flight()
                 return
             self.worker_exits += 1
             lost = self.in_flight

@@ -2,10 +2,10 @@
 
 Started by `ShadowRunner` at the lowest CPU priority (SCHED_IDLE where the kernel has it, and
 nice 19), so it runs only on CPU the server leaves idle, under its own GIL. It reads jobs from
-the socket `N`, scores whatever has arrived in one pass (`ChallengerScorer`), writes the
-challenger records under the experiment log prefix as its own replica, and acknowledges each
-pass with counts. At end of input (the server closing, or dying) it scores what is left,
-flushes its log and exits.
+the socket `N`, scores whatever has arrived in one pass (`ChallengerScorer`), at most one pass
+per pass interval, writes the challenger records under the experiment log prefix as its own
+replica, and acknowledges each pass with counts. At end of input (the server closing, or
+dying) it scores what is left, flushes its log and exits.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -69,12 +70,13 @@ def serve(sock: socket.socket) -> None:
     if not first or first[0][0] != "config":
         _log.error("shadow worker: no configuration received; exiting")
         return
-    _, prefix, replica_id, flush_interval_s = first[0]
+    _, prefix, replica_id, flush_interval_s, pass_interval_s = first[0]
     log = ExperimentLog(prefix, replica_id=replica_id, flush_interval_s=flush_interval_s).start()
     scorer = ChallengerScorer(log)
     acknowledging = True
     try:
         while messages := reader.read(MAX_JOBS_PER_PASS):
+            started = time.monotonic()
             jobs = []
             for message in messages:
                 if message[0] == "version":
@@ -90,6 +92,10 @@ def serve(sock: socket.socket) -> None:
                     sock.sendall(frame(ack))
                 except OSError:  # the server is gone: finish what arrived, log it, exit
                     acknowledging = False
+            if not reader.eof:
+                # Few wake-ups and merged batches: on a small machine every burst of the
+                # worker's, even at idle priority, shows in the champion's tail latency.
+                time.sleep(max(0.0, started + pass_interval_s - time.monotonic()))
     finally:
         scorer.close()
         log.close()

@@ -169,3 +169,21 @@ def test_dead_worker_counts_its_jobs_as_dropped_and_is_replaced(models: Path, tm
     assert first != second
     assert (runner.submitted, runner.completed, runner.dropped, runner.in_flight) == (3, 2, 1, 0)
     assert [r["request_id"] for r in records(tmp_path)] == ["r0-0", "r2-0"]
+
+
+def test_close_while_the_worker_is_down_returns_at_once(models: Path, tmp_path: Path):
+    async def scenario() -> ShadowRunner:
+        runner = runner_for(models, tmp_path, restart_delay_s=60)
+        runner.start()
+        assert runner.submit(job(0))
+        await until(lambda: runner.worker_pid is not None)
+        os.kill(runner.worker_pid, signal.SIGKILL)  # type: ignore[arg-type]
+        await until(lambda: runner.worker_exits == 1)
+        assert runner.full and not runner.submit(job(1))  # down: dropped, counted
+        started = time.monotonic()
+        await runner.close(timeout_s=30)
+        assert time.monotonic() - started < 5
+        return runner
+
+    runner = run(scenario)
+    assert (runner.submitted, runner.completed + runner.dropped, runner.in_flight) == (1, 2, 0)
