@@ -113,6 +113,9 @@ def test_shadow_log_holds_one_record_per_accepted_request(setup, tmp_path):
         assert record["version"] == reply.model_version
         assert record["score"] == pytest.approx(reply.score, abs=1e-6)
     shadows = [r for r in table if not r["served"]]
+    # Challenger records come from the shadow worker process: a replica of their own.
+    (server_replica,) = {r["replica_id"] for r in served_rows}
+    assert {r["replica_id"] for r in shadows} == {f"{server_replica}-shadow"}
     shadowed = {f"q{i}" for i in range(120)}
     assert sorted(r["request_id"] for r in shadows) == sorted(shadowed)
     for record in shadows[:10]:
