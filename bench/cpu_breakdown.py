@@ -1,18 +1,18 @@
 """Where a request's server CPU goes, with batching on and off: RPC layer, handoff, engine.
 
-For each configuration a riskserve process serves the demo model; a closed-loop OIP client at a
-fixed concurrency drives it for a fixed time. From the server's process CPU time, its own
-Prometheus histograms (engine seconds, batch sizes, requests) and a microbenchmark of the
-event-loop-to-thread handoff, it prints per request:
+For each configuration a riskserve process serves the demo model; perf_analyzer (closed loop,
+OIP, a C++ client that takes little of the shared CPU) drives it at a fixed concurrency. From
+the server's process CPU time, its own Prometheus histograms (engine seconds, batch sizes,
+requests) and a microbenchmark of the batcher's hand-off, it prints per request:
 
 - engine: engine seconds summed over batches / requests (ONNX Runtime runs single-threaded, so
-  its wall time is its CPU time);
-- handoff: batches / requests x the measured cost of one `run_in_executor` round trip plus
-  merging the rows of a batch;
+  its wall time is its CPU time, plus any wait for a core on a loaded machine);
+- handoff: batches / requests x one round trip of an empty batch through a MicroBatcher (queue,
+  engine thread, result back on the event loop) plus merging the rows of a batch;
 - RPC layer and the rest: everything else the server process spent (gRPC, protobuf, the
   servicer, validation, the batcher's bookkeeping, telemetry).
 
-    .venv/bin/python -m bench.cpu_breakdown --concurrency 16 --duration-s 10
+    .venv/bin/python -m bench.cpu_breakdown --concurrency 16 --duration-s 6
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ import re
 import sys
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from bench.loadgen import LoadGenerator, LoadPlan
+from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.servers import ServerProcess, ServerSpec, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,9 +60,9 @@ def _scrape(port: int) -> str:
 
 
 def handoff_cost_s(rows: int, repeats: int = 3000) -> float:
-    """One event-loop -> worker-thread -> event-loop round trip plus merging `rows` rows."""
+    """One request's trip through a MicroBatcher whose engine does nothing, plus merging."""
     from demo.generator import generate, model_inputs
-    from service.batcher import merge
+    from service.batcher import BatchOutcome, MicroBatcher, merge
     from service.codec import RowBatch
 
     data = model_inputs(generate(rows, seed=1))
@@ -75,19 +74,28 @@ def handoff_cost_s(rows: int, repeats: int = 3000) -> float:
         )
         for i in range(rows)
     ]
-    executor = ThreadPoolExecutor(1)
+    scores = np.zeros(1, dtype=np.float32)
+
+    def run_nothing(batch: RowBatch) -> BatchOutcome:
+        return BatchOutcome(scores, "none", "", 0.0)
 
     async def run() -> float:
-        loop = asyncio.get_running_loop()
+        batcher = MicroBatcher(run_nothing, max_batch_rows=1, max_queue_rows=8, workers=1)
+        batcher.start()
         start = time.perf_counter()
         for _ in range(repeats):
-            await loop.run_in_executor(executor, merge, batches)
-        return (time.perf_counter() - start) / repeats
+            await batcher.submit(batches[0], time.monotonic() + 1.0)
+        trip_s = (time.perf_counter() - start) / repeats
+        await batcher.close(1.0)
+        return trip_s
 
-    try:
-        return asyncio.run(run())
-    finally:
-        executor.shutdown()
+    merge_s = 0.0
+    if rows > 1:
+        start = time.perf_counter()
+        for _ in range(repeats):
+            merge(batches)
+        merge_s = (time.perf_counter() - start) / repeats
+    return asyncio.run(run()) + merge_s
 
 
 def measure(config: str, env: dict[str, str], args: argparse.Namespace) -> Breakdown:
@@ -106,18 +114,12 @@ def measure(config: str, env: dict[str, str], args: argparse.Namespace) -> Break
         },
         cwd=REPO,
     )
-    plan = LoadPlan(
-        target=f"127.0.0.1:{port}",
-        model_name="fraud-demo",
-        history_len=32,
-        duration_s=args.duration_s,
-        client_procs=args.client_procs,
-    )
+    plan = PerfPlan(target=f"127.0.0.1:{port}", window_s=args.duration_s / 3, windows=3)
     log_path = RESULTS / f"cpu_breakdown_{config}.log"
-    with ServerProcess(spec, log_path) as server, LoadGenerator(plan, server_label=config) as load:
-        load.warm_up()
+    with ServerProcess(spec, log_path) as server, PerfAnalyzer(plan, server_label=config) as load:
+        load.run_point("concurrency", 4)  # warm-up
         before_text, before_cpu = _scrape(metrics_port), server.cpu_seconds()
-        point = load.run_concurrency(args.concurrency)
+        point = load.run_point("concurrency", args.concurrency)
         after_text, after_cpu = _scrape(metrics_port), server.cpu_seconds()
 
     def delta(name: str) -> float:
@@ -146,8 +148,7 @@ def measure(config: str, env: dict[str, str], args: argparse.Namespace) -> Break
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--duration-s", type=float, default=10.0)
-    parser.add_argument("--client-procs", type=int, default=1)
+    parser.add_argument("--duration-s", type=float, default=6.0)
     parser.add_argument(
         "--budget-ms",
         type=float,
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         "batching-off": {"RISKSERVE_MAX_BATCH_SIZE": "1"},
     }
     results = [measure(name, env, args) for name, env in configs.items()]
+    # The PerfAnalyzer point sees only its measurement windows; the CPU and the counters cover
+    # the whole perf_analyzer run, so both sides of each ratio count the same requests.
     header = (
         "config",
         "req/s",
