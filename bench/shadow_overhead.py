@@ -44,9 +44,11 @@ DEMO = REPO / "models" / "fraud-demo" / "1"
 SLOW_MATRIX = 1024  # version 3's product of two SLOW_MATRIX-square matrices per engine call
 WARMUP_REQUESTS = 50
 
-# name -> (challenger version or None, extra environment)
+# name -> (challenger version or None, extra environment); "ab" serves and logs the champion
+# only (an A/B split of 0): the experiment's own cost without any shadow copy or worker.
 CONFIGS: dict[str, tuple[str | None, dict[str, str]]] = {
     "no experiment": (None, {}),
+    "experiment logged, no shadow": ("ab", {}),
     "shadow every request": ("2", {}),
     "shadow, queue of 1 job": ("2", {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"}),
     "shadow, queue full (slow challenger, 1 job)": (
@@ -215,6 +217,8 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
     if version is not None:
         experiments = tmp / f"experiments-{version}.json"
         arms = {"champion": "1", "challengers": [version], "mode": "shadow"}
+        if version == "ab":
+            arms = {"champion": "1", "challengers": ["2"], "mode": "ab", "ab_share": 0.0}
         experiments.write_text(json.dumps({"models": {"fraud-demo": arms}}))
         env["RISKSERVE_EXPERIMENTS_FILE"] = str(experiments)
     spec = ServerSpec(
