@@ -116,9 +116,15 @@ class ShadowRunner:
         if self.full or not self._announce(job):
             self.drop(job.model)
             return False
+        try:
+            data = encode_job(job)
+        except Exception:  # a shadow copy must never fail the request it copies
+            _log.exception("shadow copy of %s dropped: it cannot be encoded", job.model)
+            self.drop(job.model)
+            return False
         if self._supervisor is None:
             self._start_worker()
-        self._write(encode_job(job))
+        self._write(data)
         self.submitted += 1
         self.in_flight += 1
         self._in_flight[job.model] = self._in_flight.get(job.model, 0) + 1

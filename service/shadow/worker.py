@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -77,15 +78,20 @@ def serve(sock: socket.socket) -> None:
     try:
         while messages := reader.read(MAX_JOBS_PER_PASS):
             started = time.monotonic()
-            jobs = []
+            jobs, unreadable = [], Counter[str]()
             for message in messages:
                 if message[0] == "version":
                     scorer.add_version(message[1], message[2], Path(message[3]))
                 elif message[0] == "job":
-                    jobs.append(decode_job(message))
-            if not jobs:
-                continue
+                    try:
+                        jobs.append(decode_job(message))
+                    except Exception:  # one bad job must not end the worker
+                        _log.exception("unreadable shadow job for %s", message[1])
+                        unreadable[message[1]] += 1
             outcome = scorer.score(jobs)
+            outcome.failed.update(unreadable)
+            if not outcome.completed and not outcome.failed:
+                continue
             ack = ("done", dict(outcome.completed), dict(outcome.failed), outcome.decision_flips)
             if acknowledging:
                 try:

@@ -139,12 +139,15 @@ def test_unloaded_version_is_dropped_and_a_failing_one_counted(models: Path, tmp
         broken = job(2)
         broken.inputs.pop("history_mask")  # type: ignore[attr-defined]
         assert runner.submit(broken)  # the challenger cannot run it: failed, contained
-        await until(lambda: runner.completed + runner.failed == 2)
+        unreadable = job(3)
+        unreadable.inputs["features"] = np.full((1, 4), None)  # type: ignore[index]
+        assert runner.submit(unreadable)  # the worker cannot decode it: failed, worker lives
+        await until(lambda: runner.completed + runner.failed == 3)
         await runner.close(timeout_s=30)
         return runner
 
     runner = run(scenario)
-    assert (runner.completed, runner.failed, runner.dropped) == (1, 1, 1)
+    assert (runner.completed, runner.failed, runner.dropped, runner.worker_exits) == (1, 2, 1, 0)
     assert [r["request_id"] for r in records(tmp_path)] == ["r1-0"]
 
 
