@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -227,6 +228,7 @@ class ModelRegistry:
         """Load and warm one version folder beside what serves; optionally switch to it."""
         loop = asyncio.get_running_loop()
         model = await loop.run_in_executor(self._executor, self._build, path)
+        settle_heap()
         model.batcher.start()
         self._versions.setdefault(model.name, {})[model.version] = model
         current = self._serving.get(model.name)
@@ -312,6 +314,22 @@ class ModelRegistry:
 
 
 _TYPICAL_HISTORY = 32
+
+
+def settle_heap() -> None:
+    """Collect once, then put every object alive now out of the cyclic collector's reach.
+
+    A full collection of a loaded server's heap (about 110,000 tracked objects: ONNX Runtime,
+    protobuf, OpenTelemetry, the model) takes about 50 ms on the development machine, and
+    CPython runs one whenever enough objects have survived: a 50 ms stall of the event loop,
+    five times the budget. Frozen objects (`gc.freeze`) are skipped by every later
+    collection, so those stay under a millisecond; what requests allocate is collected as
+    before. Called after each model load; the first call pays the one full collection, before
+    the server takes traffic. A version unloaded later is freed by reference counting; a
+    reference cycle inside it would stay (its objects are frozen).
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def _warmup_rows(manifest: Manifest, rows: int, length: int) -> RowBatch:

@@ -177,6 +177,7 @@ async def build_server(
             settings.shadow_log_prefix,
             max_queued_jobs=settings.shadow_max_queued_jobs,
             flush_interval_s=settings.shadow_flush_interval_s,
+            pass_interval_s=settings.shadow_pass_interval_s,
             telemetry=telemetry,
         )
         experiments.start()

@@ -155,8 +155,9 @@ class Metrics:
         """`reason`: 'queue_full' or 'deadline'."""
         self._shed.add(1, {"model": model, "reason": reason})
 
-    def count_shadow_drop(self, model: str) -> None:
-        self._shadow_drops.add(1, {"model": model})
+    def count_shadow_drop(self, model: str, copies: int = 1) -> None:
+        """`copies` shadow copies of `model`'s requests were dropped."""
+        self._shadow_drops.add(copies, {"model": model})
 
     def set_queue_depth_callback(self, callback: QueueDepthCallback | None) -> None:
         """`callback()` -> {(model, version): depth}, called at each scrape."""
