@@ -81,9 +81,10 @@ def test_overload_sheds_and_keeps_admitted_latency_within_budget(seq_models):
         f"p99 {p99:.1f} ms (server {server_p99:.1f} ms); budget {BUDGET_MS} ms"
     )
     assert len(admitted) > 0.4 * RUN_S / ENGINE_S  # the engine stayed busy
-    # The batcher admits a request when its estimated finish is at most its deadline, with no
-    # margin for the estimate's error, so the admitted p99 lands near the budget, somewhat
-    # above on a loaded two-core machine (55-67 ms measured). Without shedding, every request
-    # would wait about CLIENTS * ENGINE_S = 80 ms, and more as clients are added.
-    assert server_p99 < 1.5 * BUDGET_MS
-    assert p99 < 2 * BUDGET_MS
+    # The batcher admits a request when its estimated finish (with the engine-time model's
+    # headroom) falls before its deadline, which keeps a reply reserve short of the budget: the
+    # admitted requests' server-side p99 stays within the budget. Without shedding, every
+    # request would wait about CLIENTS * ENGINE_S = 80 ms, and more as clients are added. The
+    # client's own figure adds its event loop, which shares these two cores with the server.
+    assert server_p99 < BUDGET_MS
+    assert p99 < 1.5 * BUDGET_MS
