@@ -11,6 +11,8 @@ import onnxruntime as ort
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from liveserver import LiveServer
+from modelkit import write_tabular_model
 
 from demo.generator import FEATURE_NAMES, HISTORY_FIELDS, generate
 from engines.manifest import load_manifest
@@ -161,8 +163,6 @@ def test_unknown_model_is_not_found(stub):
 
 def test_validated_variants_join_the_pool_fastest_first(models_root):
     """FP16 and INT8 passed validation, so they load; the measured-fastest engine serves."""
-    from liveserver import LiveServer
-
     with LiveServer(models_dir=models_root, budget_ms=5000) as server, server.channel() as ch:
         stub = pb_grpc.RiskScoringStub(ch)
         info = stub.GetModelInfo(pb.ModelInfoRequest(model="fraud-demo"), timeout=5)
@@ -172,3 +172,20 @@ def test_validated_variants_join_the_pool_fastest_first(models_root):
         reply = stub.Score(demo_request(generate(1, seed=3), 0), timeout=5)
         assert reply.engine == names[0]
         assert reply.fallback_reason == ""
+
+
+def test_reflection_is_off_unless_enabled(tmp_path):
+    write_tabular_model(tmp_path)
+    with (
+        LiveServer(models_dir=tmp_path, default_model="credit-lite") as server,
+        server.channel() as channel,
+    ):
+        reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        with pytest.raises(grpc.RpcError) as err:
+            list(reflect.ServerReflectionInfo(iter([request]), timeout=5))
+        assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # The services themselves are there.
+        health = health_pb2_grpc.HealthStub(channel)
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING
