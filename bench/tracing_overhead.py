@@ -4,17 +4,18 @@
    records, its share of a batch of 8, end) with the deployed policy (ratio 0.01: almost every
    fast trace dropped) and with every trace kept and exported, against the plain SDK's cost of
    starting and ending the two spans a request would need. Median of interleaved repeats.
-2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), started in turn for
-   `--rounds` alternating rounds, each driven by perf_analyzer at closed-loop concurrency
-   `--concurrency` (the most it serves) and at the open-loop rate `--rate-rps` (a moderate
-   load); throughput, p50/p99 and server CPU per request, medians over the rounds.
+2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), both running, driven in
+   turn by perf_analyzer for `--rounds` rounds (the order flips each round), at closed-loop
+   concurrency `--concurrency` (the most it serves) and at the open-loop rate `--rate-rps` (a
+   moderate load); throughput, p50/p99 and server CPU per request, medians over the rounds.
 
-    .venv/bin/python -m bench.tracing_overhead --rounds 3 --rate-rps 300
+    .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 300
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import time
@@ -112,27 +113,38 @@ def _point(analyzer: PerfAnalyzer, mode: str, load: float, cpu: Callable[[], flo
 
 
 def end_to_end(args: argparse.Namespace) -> dict[str, list[tuple[PointResult, float]]]:
+    """Both servers run side by side; the load alternates between them, round after round.
+
+    On a shared machine the noise drifts over minutes: alternating short runs against two
+    live servers lets each round's pair see about the same machine.
+    """
     onnx_path = resolve_model_path(None)
     knobs = Knobs(64, 200, 0.0005, 1, args.riskserve_budget_ms)
-    plan = PerfPlan(target="", window_s=args.window_s, windows=3)
+    names = ("riskserve", "riskserve-notrace")
     results: dict[str, list[tuple[PointResult, float]]] = {}
-    for round_ in range(args.rounds):
-        for name in ("riskserve", "riskserve-notrace"):
+    with contextlib.ExitStack() as stack:
+        analyzers = {}
+        for name in names:
             spec = server_spec(name, onnx_path, knobs)
-            with ServerProcess(spec, RESULTS_DIR / "logs" / f"{name}.log") as server:
-                run_plan = PerfPlan(**{**plan.__dict__, "target": server.target})
-                with PerfAnalyzer(run_plan, onnx_path, server_label=name) as analyzer:
-                    analyzer.run_point("concurrency", 4)  # warm-up
-                    for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
-                        point, cpu_s = _point(analyzer, mode, load, server.cpu_seconds)
-                        results.setdefault(f"{name} {mode} {load:g}", []).append((point, cpu_s))
-                        print(
-                            f"round {round_ + 1} {name:18} {mode:11} {load:>5g}: "
-                            f"{point.throughput_rps:7.1f} req/s  p50 {point.p50_ms:6.2f}  "
-                            f"p99 {point.p99_ms:6.2f} ms  server CPU "
-                            f"{_cpu_ms(point, cpu_s):.3f} ms/req",
-                            flush=True,
-                        )
+            server = stack.enter_context(ServerProcess(spec, RESULTS_DIR / "logs" / f"{name}.log"))
+            plan = PerfPlan(target=server.target, window_s=args.window_s, windows=3)
+            analyzer = stack.enter_context(PerfAnalyzer(plan, onnx_path, server_label=name))
+            analyzer.run_point("concurrency", 4)  # warm-up
+            analyzers[name] = (analyzer, server)
+        for round_ in range(args.rounds):
+            for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
+                order = names if round_ % 2 == 0 else names[::-1]
+                for name in order:
+                    analyzer, server = analyzers[name]
+                    point, cpu_s = _point(analyzer, mode, load, server.cpu_seconds)
+                    results.setdefault(f"{name} {mode} {load:g}", []).append((point, cpu_s))
+                    print(
+                        f"round {round_ + 1} {name:18} {mode:11} {load:>5g}: "
+                        f"{point.throughput_rps:7.1f} req/s  p50 {point.p50_ms:6.2f}  "
+                        f"p99 {point.p99_ms:6.2f} ms  server CPU "
+                        f"{_cpu_ms(point, cpu_s):.3f} ms/req",
+                        flush=True,
+                    )
     return results
 
 
@@ -147,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3, help="end-to-end rounds (0: skip)")
+    parser.add_argument("--rounds", type=int, default=8, help="end-to-end rounds (0: skip)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--rate-rps", dest="rate", type=float, default=300.0)
     parser.add_argument("--window-s", type=float, default=2.0)
@@ -174,11 +186,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         p99_off = median(off, lambda p, c: p.p99_ms)
         cpu_on = median(on, lambda p, c: _cpu_ms(p, c))
         cpu_off = median(off, lambda p, c: _cpu_ms(p, c))
+        # Paired by round: each round's two runs saw about the same machine.
+        paired_p99 = statistics.median(
+            a.p99_ms - b.p99_ms for (a, _), (b, _) in zip(results[on], results[off], strict=True)
+        )
+        paired_tput = statistics.median(
+            a.throughput_rps / b.throughput_rps - 1
+            for (a, _), (b, _) in zip(results[on], results[off], strict=True)
+        )
         print(
             f"   {mode} {load:g}: throughput on/off {tput_on:.1f}/{tput_off:.1f} req/s "
             f"({(tput_on / tput_off - 1) * 100:+.1f} %), p99 on/off {p99_on:.2f}/{p99_off:.2f} "
             f"ms ({p99_on - p99_off:+.2f} ms), server CPU on/off {cpu_on:.3f}/{cpu_off:.3f} "
-            f"ms/req ({(cpu_on / cpu_off - 1) * 100:+.1f} %)"
+            f"ms/req ({(cpu_on / cpu_off - 1) * 100:+.1f} %); paired by round, median "
+            f"throughput change {paired_tput * 100:+.1f} %, p99 change {paired_p99:+.2f} ms"
         )
     return 0
 
