@@ -184,11 +184,12 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             await context.abort(status, f"internal error (trace id {trace_id})")
         finally:
             _CALL.reset(call_token)
-            kept = False
+            kept_trace = None
             if tracing is not None and trace is not None and trace_token is not None:
                 tracing.deactivate(trace_token)
                 details = "" if status is grpc.StatusCode.OK else status.name
-                kept = tracing.end_request(trace, status.value[0], details) != DECISION_DROPPED
+                if tracing.end_request(trace, status.value[0], details) != DECISION_DROPPED:
+                    kept_trace = trace.context
             if telemetry is not None and call.model:
                 telemetry.metrics.observe_request(
                     call.model,
@@ -196,7 +197,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                     call.engine,
                     status.name,
                     time.perf_counter() - started,
-                    trace.context if kept and trace is not None else None,
+                    kept_trace,
                 )
         raise AssertionError("context.abort returned")  # pragma: no cover
 

@@ -175,10 +175,7 @@ def current_request_trace() -> RequestTrace | None:
 def current_trace_id() -> str:
     """The current trace id as 32 hex digits ('' outside a trace), for errors and logs."""
     trace = _CURRENT.get()
-    if trace is not None:
-        return format_trace_id(trace.trace_id)
-    context = get_current_span().get_span_context()
-    return format_trace_id(context.trace_id) if context.is_valid else ""
+    return format_trace_id(trace.trace_id) if trace is not None else ""
 
 
 def _parent_from(metadata: Iterable[tuple[str, str | bytes]] | None) -> SpanContext | None:
@@ -359,9 +356,6 @@ class Tracing:
     def decisions(self) -> dict[str, int]:
         """Traces decided so far by outcome: each keep reason, and 'dropped'."""
         return {**self._kept, DECISION_DROPPED: self._dropped}
-
-    def force_flush(self, timeout_millis: int = 30_000) -> bool:
-        return self._export.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
         self._export.shutdown()
