@@ -145,6 +145,13 @@ class _Running:
 
 RunBatch = Callable[[RowBatch], BatchOutcome]
 
+# A batch's padded history cells may be at most this multiple of its rows' own cells: padding a
+# short history to a long one costs the engine the long one's work (the attention over the
+# history grows faster than linearly), more than the fixed cost a shared call saves.
+_MAX_PADDING = 1.5
+# Jobs passed over for padding in one take, so a long queue is never scanned whole.
+_MAX_DEFERRED = 16
+
 
 def merge(batches: list[RowBatch]) -> RowBatch:
     """Concatenate rows, padding every history to the longest in the batch."""
@@ -296,19 +303,27 @@ class MicroBatcher:
         return job
 
     def _take(self) -> list[_Job]:
-        """The jobs of the next batch, earliest deadline first, none of them made late."""
+        """The jobs of the next batch, earliest deadline first, none of them made late.
+
+        A job whose history length would make padding more than a third of the batch's cells
+        waits for the next batch instead (at most `_MAX_DEFERRED` are passed over a take);
+        it is then the earliest deadline left, so it goes first.
+        """
         now = time.monotonic()
         model = self.time_model
         taken: list[_Job] = []
+        deferred: list[_Job] = []
         rows = 0
         length = 0
+        cells = 0  # the rows' own history cells, without padding
         earliest = float("inf")
         while self._heap:
             job = self._heap[0]
             if job.future.done():  # the caller went away (cancelled)
                 self._pop()
                 continue
-            if now + model.estimate_s(job.batch.rows, job.batch.history_length) > job.deadline:
+            job_rows, job_length = job.batch.rows, job.batch.history_length
+            if now + model.estimate_s(job_rows, job_length) > job.deadline:
                 self._pop()
                 self._shed("deadline")
                 if self._degrade:
@@ -316,15 +331,24 @@ class MicroBatcher:
                 else:
                     self._fail(job, DeadlineMissed("deadline passed while queued"))
                 continue
-            new_rows = rows + job.batch.rows
-            new_length = max(length, job.batch.history_length)
+            new_rows = rows + job_rows
+            new_length = max(length, job_length)
+            new_cells = cells + job_rows * max(job_length, 1)
             if taken and new_rows > self.max_batch_rows:
                 break
+            if taken and new_rows * max(new_length, 1) > _MAX_PADDING * new_cells:
+                if len(deferred) >= _MAX_DEFERRED:
+                    break
+                deferred.append(self._pop())
+                continue
             if taken and now + model.estimate_s(new_rows, new_length) > min(earliest, job.deadline):
                 break
             taken.append(self._pop())
-            rows, length = new_rows, new_length
+            rows, length, cells = new_rows, new_length, new_cells
             earliest = min(earliest, job.deadline)
+        for job in deferred:
+            heapq.heappush(self._heap, job)
+            self._queued_rows += job.batch.rows
         return taken
 
     @staticmethod

@@ -162,3 +162,50 @@ def test_engine_failure_is_internal_and_fans_out(seq_models):
     assert all(isinstance(o, grpc.RpcError) for o in outcomes)
     assert {o.code() for o in outcomes} == {grpc.StatusCode.INTERNAL}
     assert all("injected" not in o.details() for o in outcomes)  # internal text stays inside
+
+
+def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
+    """Queued behind a busy engine: the short histories go together, the long one next."""
+    import asyncio
+    import threading
+    import time
+
+    from service.batcher import BatchOutcome, MicroBatcher
+    from service.codec import RowBatch
+
+    release = threading.Event()
+    shapes: list[tuple[int, int]] = []
+
+    def run(rows: RowBatch) -> BatchOutcome:
+        shapes.append((rows.rows, rows.history_length))
+        release.wait(5)
+        return BatchOutcome(np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
+
+    def rows_of(length: int) -> RowBatch:
+        return RowBatch(
+            np.zeros((1, 4), np.float32),
+            np.ones((1, length, 3), np.float32),
+            np.ones((1, length), np.float32),
+        )
+
+    async def scenario() -> list[float]:
+        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1)
+        batcher.start()
+        deadline = time.monotonic() + 5
+        first = asyncio.create_task(batcher.submit(rows_of(8), deadline))
+        await asyncio.sleep(0.05)  # the engine is now busy with the first batch
+        queued = [
+            asyncio.create_task(batcher.submit(rows_of(length), deadline + 0.1 * i))
+            for i, length in enumerate((8, 64, 8, 8))
+        ]
+        await asyncio.sleep(0.05)
+        release.set()
+        scores = [float(s.scores[0]) for s in await asyncio.gather(first, *queued)]
+        await batcher.close(1.0)
+        return scores
+
+    scores = asyncio.run(scenario())
+    assert shapes == [(1, 8), (3, 8), (1, 64)]
+    # Each caller got its own row of its own batch: 0 for single-row batches, and rows 0, 1, 2
+    # of the merged batch in deadline order for the three short ones.
+    assert scores == [0.0, 0.0, 0.0, 1.0, 2.0]
