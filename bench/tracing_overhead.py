@@ -4,22 +4,27 @@
    records, its share of a batch of 8, end) with the deployed policy (ratio 0.01: almost every
    fast trace dropped) and with every trace kept and exported, against the plain SDK's cost of
    starting and ending the two spans a request would need. Median of interleaved repeats.
-2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), both running, driven in
-   turn by perf_analyzer for `--rounds` rounds (the order flips each round), at closed-loop
-   concurrency `--concurrency` (the most it serves) and at the open-loop rate `--rate-rps` (a
-   moderate load); throughput, p50/p99 and server CPU per request, medians over the rounds.
+2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), both running and driven
+   at the same moment, each by its own perf_analyzer, for `--rounds` rounds: at closed-loop
+   concurrency `--concurrency` (the most each serves while sharing the cores) and at the
+   open-loop rate `--rate-rps` per server (a moderate load in all). Throughput, p50/p99 and
+   server CPU per request, medians over the rounds, and the median of the per-round on-off
+   differences. `--control` adds a pair of two tracing-off servers: the differences the
+   machine makes by itself, to read the on-off differences against.
 
-    .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 300
+    .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -112,37 +117,58 @@ def _point(analyzer: PerfAnalyzer, mode: str, load: float, cpu: Callable[[], flo
     return point, cpu_s
 
 
-def end_to_end(args: argparse.Namespace) -> dict[str, list[tuple[PointResult, float]]]:
-    """Both servers run side by side; the load alternates between them, round after round.
+Runs = dict[str, list[tuple[PointResult, float]]]
 
-    On a shared machine the noise drifts over minutes: alternating short runs against two
-    live servers lets each round's pair see about the same machine.
+
+def _together(
+    runners: dict[str, tuple[PerfAnalyzer, ServerProcess]], mode: str, load: float
+) -> dict[str, tuple[PointResult, float]]:
+    """Drive every server at once, each with its own perf_analyzer at `load`."""
+    with ThreadPoolExecutor(len(runners)) as pool:
+        futures = {
+            name: pool.submit(_point, analyzer, mode, load, server.cpu_seconds)
+            for name, (analyzer, server) in runners.items()
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+def end_to_end(args: argparse.Namespace) -> Runs:
+    """Tracing on and off (and, with --control, a second off) served and driven side by side.
+
+    On a shared machine the noise drifts within seconds, far more than what tracing costs.
+    Two servers driven at the same moment see the same machine, so the difference of each
+    simultaneous pair is what tracing adds; an off/off control pair shows how large a
+    difference the machine alone makes. Pairs take turns round after round.
     """
     onnx_path = resolve_model_path(None)
     knobs = Knobs(64, 200, 0.0005, 1, args.riskserve_budget_ms)
-    names = ("riskserve", "riskserve-notrace")
-    results: dict[str, list[tuple[PointResult, float]]] = {}
+    kinds = {"on": "riskserve", "off": "riskserve-notrace", "off-2": "riskserve-notrace"}
+    pairs = [("on", "off")] + ([("off-2", "off")] if args.control else [])
+    results: Runs = {}
     with contextlib.ExitStack() as stack:
-        analyzers = {}
-        for name in names:
-            spec = server_spec(name, onnx_path, knobs)
-            server = stack.enter_context(ServerProcess(spec, RESULTS_DIR / "logs" / f"{name}.log"))
+        runners: dict[str, tuple[PerfAnalyzer, ServerProcess]] = {}
+        for label in {name for pair in pairs for name in pair}:
+            spec = server_spec(kinds[label], onnx_path, knobs)
+            log_path = RESULTS_DIR / "logs" / f"tracing-overhead-{label}.log"
+            server = stack.enter_context(ServerProcess(spec, log_path))
             plan = PerfPlan(target=server.target, window_s=args.window_s, windows=3)
-            analyzer = stack.enter_context(PerfAnalyzer(plan, onnx_path, server_label=name))
+            analyzer = stack.enter_context(PerfAnalyzer(plan, onnx_path, server_label=label))
             analyzer.run_point("concurrency", 4)  # warm-up
-            analyzers[name] = (analyzer, server)
+            runners[label] = (analyzer, server)
         for round_ in range(args.rounds):
             for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
-                order = names if round_ % 2 == 0 else names[::-1]
-                for name in order:
-                    analyzer, server = analyzers[name]
-                    point, cpu_s = _point(analyzer, mode, load, server.cpu_seconds)
-                    results.setdefault(f"{name} {mode} {load:g}", []).append((point, cpu_s))
+                for pair in pairs:
+                    points = _together({name: runners[name] for name in pair}, mode, load)
+                    for name, (point, cpu_s) in points.items():
+                        key = f"{name} ({pair[0]}/{pair[1]}) {mode}"
+                        results.setdefault(key, []).append((point, cpu_s))
                     print(
-                        f"round {round_ + 1} {name:18} {mode:11} {load:>5g}: "
-                        f"{point.throughput_rps:7.1f} req/s  p50 {point.p50_ms:6.2f}  "
-                        f"p99 {point.p99_ms:6.2f} ms  server CPU "
-                        f"{_cpu_ms(point, cpu_s):.3f} ms/req",
+                        f"round {round_ + 1} {mode:11} {load:>5g} each, "
+                        + "  ".join(
+                            f"{name}: {p.throughput_rps:7.1f} req/s p50 {p.p50_ms:6.2f} "
+                            f"p99 {p.p99_ms:6.2f} ms CPU {_cpu_ms(p, c):.3f} ms/req"
+                            for name, (p, c) in points.items()
+                        ),
                         flush=True,
                     )
     return results
@@ -155,13 +181,56 @@ def _cpu_ms(point: PointResult, cpu_s: float) -> float:
     return cpu_s / total * 1e3 if total else float("nan")
 
 
+def _summary(results: Runs, mode: str, load: float, a: str, b: str) -> str:
+    """Medians of `a` and `b`, and the median of their per-round differences."""
+
+    # The off server serves in both pairs: take each side's points from this pair's rounds.
+    points = {name: results[f"{name} ({a}/{b}) {mode}"] for name in (a, b)}
+
+    def median(name: str, value: Callable[[PointResult, float], float]) -> float:
+        return statistics.median(value(p, c) for p, c in points[name])
+
+    def paired(value: Callable[[PointResult, float], float]) -> list[float]:
+        rounds = zip(points[a], points[b], strict=True)
+        return [value(*x) - value(*y) for x, y in rounds]
+
+    tput_a, tput_b = (
+        median(a, lambda p, c: p.throughput_rps),
+        median(b, lambda p, c: p.throughput_rps),
+    )
+    p99_a, p99_b = median(a, lambda p, c: p.p99_ms), median(b, lambda p, c: p.p99_ms)
+    cpu_a, cpu_b = median(a, _cpu_ms), median(b, _cpu_ms)
+    d_p99 = paired(lambda p, c: p.p99_ms)
+    d_p50 = paired(lambda p, c: p.p50_ms)
+    d_tput = paired(lambda p, c: math.log(p.throughput_rps))
+    d_cpu = paired(lambda p, c: math.log(_cpu_ms(p, c)))
+    return (
+        f"   {mode} {load:g} each, {a} against {b}: throughput {tput_a:.1f}/{tput_b:.1f} req/s, "
+        f"p99 {p99_a:.2f}/{p99_b:.2f} ms, server CPU {cpu_a:.3f}/{cpu_b:.3f} ms/req\n"
+        f"      paired by round (median, and range): throughput "
+        f"{_pct(statistics.median(d_tput))} ({_pct(min(d_tput))} to {_pct(max(d_tput))}), "
+        f"server CPU per request {_pct(statistics.median(d_cpu))} ({_pct(min(d_cpu))} to "
+        f"{_pct(max(d_cpu))}), p50 {statistics.median(d_p50):+.2f} ms, "
+        f"p99 {statistics.median(d_p99):+.2f} ms ({min(d_p99):+.2f} to {max(d_p99):+.2f})"
+    )
+
+
+def _pct(log_ratio: float) -> str:
+    return f"{(math.exp(log_ratio) - 1) * 100:+.1f} %"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=8, help="end-to-end rounds (0: skip)")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--rate-rps", dest="rate", type=float, default=300.0)
+    parser.add_argument(
+        "--rate-rps", dest="rate", type=float, default=150.0, help="per server, both at once"
+    )
+    parser.add_argument(
+        "--control", action="store_true", help="also pair two tracing-off servers (noise floor)"
+    )
     parser.add_argument("--window-s", type=float, default=2.0)
     parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
     args = parser.parse_args(argv)
@@ -172,35 +241,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"   {name:42} {seconds * 1e6:6.2f} µs")
     if args.rounds <= 0:
         return 0
-    print("2. live server, tracing on against off (perf_analyzer on the same cores)")
+    print("2. live servers driven at once, tracing on against off (perf_analyzer, same cores)")
     results = end_to_end(args)
 
-    def median(key: str, value: Callable[[PointResult, float], float]) -> float:
-        return statistics.median(value(p, c) for p, c in results[key])
-
     for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
-        on, off = f"riskserve {mode} {load:g}", f"riskserve-notrace {mode} {load:g}"
-        tput_on = median(on, lambda p, c: p.throughput_rps)
-        tput_off = median(off, lambda p, c: p.throughput_rps)
-        p99_on = median(on, lambda p, c: p.p99_ms)
-        p99_off = median(off, lambda p, c: p.p99_ms)
-        cpu_on = median(on, lambda p, c: _cpu_ms(p, c))
-        cpu_off = median(off, lambda p, c: _cpu_ms(p, c))
-        # Paired by round: each round's two runs saw about the same machine.
-        paired_p99 = statistics.median(
-            a.p99_ms - b.p99_ms for (a, _), (b, _) in zip(results[on], results[off], strict=True)
-        )
-        paired_tput = statistics.median(
-            a.throughput_rps / b.throughput_rps - 1
-            for (a, _), (b, _) in zip(results[on], results[off], strict=True)
-        )
-        print(
-            f"   {mode} {load:g}: throughput on/off {tput_on:.1f}/{tput_off:.1f} req/s "
-            f"({(tput_on / tput_off - 1) * 100:+.1f} %), p99 on/off {p99_on:.2f}/{p99_off:.2f} "
-            f"ms ({p99_on - p99_off:+.2f} ms), server CPU on/off {cpu_on:.3f}/{cpu_off:.3f} "
-            f"ms/req ({(cpu_on / cpu_off - 1) * 100:+.1f} %); paired by round, median "
-            f"throughput change {paired_tput * 100:+.1f} %, p99 change {paired_p99:+.2f} ms"
-        )
+        print(_summary(results, mode, load, "on", "off"))
+        if args.control:
+            print(_summary(results, mode, load, "off-2", "off"))
     return 0
 
 
