@@ -84,6 +84,13 @@ class ServerProcess:
         self.startup_s = time.monotonic() - started
         return self
 
+    @property
+    def pid(self) -> int:
+        """The server's process id (also its process group's)."""
+        if self._process is None:
+            raise RuntimeError(f"{self.spec.name} is not running")
+        return self._process.pid
+
     def cpu_seconds(self) -> float:
         """User plus system CPU time of every live process in the server's process group."""
         if self._process is None:
