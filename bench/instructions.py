@@ -2,13 +2,13 @@
 
 Timing on a shared two-core VM moves by several percent from one minute to the next, more than
 the features compared here cost. Valgrind's callgrind counts the instructions a process
-executes instead, and that count does not depend on what else the machine is doing. Each named
-server (the `bench.compare` names: riskserve, riskserve-notrace, riskserve-nobatch, ...) runs
+executes instead, a count the machine's speed does not change. Each named single-process
+server (the `bench.compare` names: riskserve, riskserve-notrace, riskserve-nobatch) runs
 under callgrind with counting off; perf_analyzer warms it, then counting is switched on for a
 closed-loop run of `--seconds` at `--concurrency`, and off again. The count, divided by the
 requests the server's own metrics counted over the same span, is its instructions per request.
-Servers take turns, `--runs` times. Under valgrind a server runs about 50 times slower, so a
-run answers a few hundred requests. Two runs of one server differ by about 1 %: the count
+Servers take turns, `--runs` times. Under valgrind a server runs over a hundred times slower,
+so a run answers a few hundred requests. Two runs of one server differ by about 1 %: the count
 includes the idle threads, and how many requests each wake-up of the event loop handles
 depends on when they arrive; other work on the machine changes that (a run beside a profiler
 came out 5.6 % high), so run it on an otherwise idle machine.
@@ -59,6 +59,9 @@ def count_one(name: str, args: argparse.Namespace, run: int) -> tuple[int, float
     onnx_path = resolve_model_path(None)
     knobs = Knobs(64, 200, 0.0005, 1, args.riskserve_budget_ms)
     spec = server_spec(name, onnx_path, knobs)
+    if not name.startswith("riskserve") or spec.env.get("RISKSERVE_PROCESSES", "1") != "1":
+        # Callgrind follows one process: a peer's or a forked worker's work would go uncounted.
+        raise ValueError(f"{name}: only single-process riskserve servers can be counted")
     out_file = RESULTS_DIR / "callgrind" / f"{name}-{run}.out"
     out_file.parent.mkdir(parents=True, exist_ok=True)
     out_file.unlink(missing_ok=True)
