@@ -18,7 +18,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from service.batcher import Scored
 from service.errors import InvalidRequest, ServiceError, status_for
-from service.telemetry import Telemetry, current_request_trace, current_trace_id
+from service.telemetry import RequestTrace, Telemetry, current_request_trace, current_trace_id
 from service.telemetry.tracing import DECISION_DROPPED
 
 __all__ = [
@@ -65,9 +65,20 @@ def note_scored(
     if call is not None:
         call.model, call.version, call.engine = name, version, scored.engine
     trace = current_request_trace()
-    if trace is None:
-        return
-    attributes = trace.attributes
+    if trace is not None:
+        trace.batch = scored.batch_trace
+        trace.defer(_scored_details, name, version, scored, decision)
+
+
+def _scored_details(
+    trace: RequestTrace,
+    attributes: dict[str, Any],
+    name: str,
+    version: str,
+    scored: Scored,
+    decision: str,
+) -> None:
+    """A kept trace's scoring attributes and its queue and score stages (export time only)."""
     attributes["riskserve.model"] = name
     attributes["riskserve.version"] = version
     attributes["riskserve.engine"] = scored.engine
@@ -87,7 +98,6 @@ def note_scored(
             scored.done_ns,
             {"riskserve.engine": scored.engine, "riskserve.batch.size": scored.batch_rows},
         )
-    trace.batch = scored.batch_trace
 
 
 def note_validated(started_monotonic_ns: int) -> None:

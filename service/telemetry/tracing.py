@@ -13,7 +13,11 @@ When the RPC ends, `Tracing.end_request` decides, by these rules in order:
 
 Only a kept trace is turned into SDK `ReadableSpan`s (the server span, its stage spans, and the
 batch span the first time one of its requests is kept) and handed to the export processor,
-which batches and exports off the event loop. A dropped trace costs a few attribute writes.
+which batches and exports off the event loop. What only a kept trace needs is not built while
+the request runs: stage records are plain tuples, a batch holds its requests' ids (not span
+contexts) and draws its own ids when exported, and `RequestTrace.defer` leaves the rest (the
+scoring stages and attributes) to a function called only on export. A dropped trace costs a
+few assignments.
 Nothing is buffered between requests: a record lives as long as its RPC (whose number the
 batcher's queue bounds), so no open-trace table can grow.
 """
@@ -23,8 +27,9 @@ from __future__ import annotations
 import contextvars
 import random
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -103,13 +108,17 @@ class TailSamplingStats:
 
 
 class BatchTrace:
-    """One executed batch: a root span of its own trace, linked to the requests it served."""
+    """One executed batch: a root span of its own trace, linked to the requests it served.
+
+    `links` holds the (trace id, span id) of each request; the batch's own ids are drawn when
+    it is first exported (0 until then).
+    """
 
     __slots__ = ("attributes", "end_ns", "exported", "links", "span_id", "start_ns", "trace_id")
 
-    def __init__(self, links: list[SpanContext], attributes: Attributes) -> None:
-        self.trace_id = _new_id(128)
-        self.span_id = _new_id(64)
+    def __init__(self, links: list[tuple[int, int]], attributes: Attributes) -> None:
+        self.trace_id = 0
+        self.span_id = 0
         self.links = links
         self.attributes = attributes
         self.start_ns = time.time_ns()
@@ -121,12 +130,11 @@ class BatchTrace:
         self.attributes.update(attributes)
 
 
-@dataclass(slots=True)
-class _Stage:
-    name: str
-    start_ns: int
-    end_ns: int
-    attributes: Attributes | None
+# A stage span to be: name, wall-clock start and end (ns), attributes.
+_Stage = tuple[str, int, int, Attributes | None]
+# Called on export only, as details(trace, attributes, *args): adds to the server span's
+# attributes (the dict given) and the trace's stages.
+Deferred = Callable[..., None]
 
 
 @dataclass(slots=True)
@@ -143,6 +151,7 @@ class RequestTrace:
     offset_ns: int = 0
     stages: list[_Stage] = field(default_factory=list)
     batch: BatchTrace | None = None
+    deferred: tuple[Deferred, tuple[Any, ...]] | None = None
 
     @property
     def context(self) -> SpanContext:
@@ -158,8 +167,14 @@ class RequestTrace:
         """A child span from monotonic timestamps (e.g. the queue wait), made only if kept."""
         offset = self.offset_ns
         self.stages.append(
-            _Stage(name, start_monotonic_ns + offset, end_monotonic_ns + offset, attributes)
+            (name, start_monotonic_ns + offset, end_monotonic_ns + offset, attributes)
         )
+
+    def defer(self, details: Deferred, *args: Any) -> None:
+        """Leave `details(self, attributes, *args)` to export time (replacing any earlier one):
+        it may add stages and write the server span's `attributes`; a dropped trace never
+        calls it, so it costs the request path one assignment."""
+        self.deferred = (details, args)
 
 
 _CURRENT: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
@@ -242,8 +257,7 @@ class Tracing:
     def start_batch(
         self, requests: Sequence[RequestTrace | None], attributes: Attributes
     ) -> BatchTrace:
-        links = [r.context for r in requests if r is not None]
-        return BatchTrace(links, attributes)
+        return BatchTrace([(r.trace_id, r.span_id) for r in requests if r is not None], attributes)
 
     def end_request(self, trace: RequestTrace, status_code: int, description: str = "") -> str:
         """Decide and, if kept, export; returns the reason or 'dropped'.
@@ -281,19 +295,22 @@ class Tracing:
     ) -> None:
         context = trace.context
         attributes = dict(trace.attributes)
+        if trace.deferred is not None:
+            details, args = trace.deferred
+            details(trace, attributes, *args)
         attributes["rpc.grpc.status_code"] = status_code
         if reason != REASON_ALL:
             attributes[SAMPLED_REASON_ATTRIBUTE] = reason
         status = Status(StatusCode.ERROR, description) if status_code != 0 else _OK
-        for stage in trace.stages:
+        for name, start_ns, stage_end_ns, stage_attributes in trace.stages:
             self._span(
-                stage.name,
+                name,
                 SpanContext(trace.trace_id, _new_id(64), False, _SAMPLED),
                 context,
                 SpanKind.INTERNAL,
-                stage.attributes or {},
-                stage.start_ns,
-                stage.end_ns,
+                stage_attributes or {},
+                start_ns,
+                stage_end_ns,
             )
         self._span(
             trace.name,
@@ -308,6 +325,7 @@ class Tracing:
         batch = trace.batch
         if batch is not None and not batch.exported and batch.end_ns:
             batch.exported = True
+            batch.trace_id, batch.span_id = _new_id(128), _new_id(64)
             self._span(
                 BATCH_SPAN_NAME,
                 SpanContext(batch.trace_id, batch.span_id, False, _SAMPLED),
@@ -316,7 +334,10 @@ class Tracing:
                 batch.attributes,
                 batch.start_ns,
                 batch.end_ns,
-                links=[Link(c) for c in batch.links],
+                links=[
+                    Link(SpanContext(trace_id, span_id, False, _SAMPLED))
+                    for trace_id, span_id in batch.links
+                ],
             )
 
     def _span(

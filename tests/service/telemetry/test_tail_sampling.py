@@ -152,3 +152,30 @@ def test_nothing_is_held_between_requests():
     # The sampler's whole state is a few counters: no table grows with the traffic.
     assert len(vars(tracing)) == len(vars(_tracing()[0]))
     assert len(tracing.decisions()) <= 2
+
+
+def test_deferred_details_run_on_export_only():
+    tracing, exporter = _tracing()
+    calls = []
+
+    def details(trace, attributes, engine):
+        calls.append(trace.span_id)
+        attributes["riskserve.engine"] = engine
+        now = time.monotonic_ns()
+        trace.add_stage("riskserve.score", now - 2 * MS, now, {"riskserve.engine": engine})
+
+    slow, fast = _request(tracing, took_ns=6 * MS), _request(tracing)
+    for trace in (slow, fast):
+        trace.defer(details, "fake")
+    assert tracing.end_request(fast, OK) == "dropped"
+    assert calls == []  # a dropped trace never pays for its details
+    assert tracing.end_request(slow, OK) == "slow"
+    assert calls == [slow.span_id]
+
+    spans = exporter.get_finished_spans()
+    root = next(s for s in spans if s.context.span_id == slow.span_id)
+    stage = next(s for s in spans if s.name == "riskserve.score")
+    assert root.attributes["riskserve.engine"] == "fake"
+    assert stage.parent.span_id == slow.span_id
+    assert stage.attributes["riskserve.engine"] == "fake"
+    assert stage.end_time - stage.start_time == 2 * MS
