@@ -20,17 +20,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
-from bench.servers import ServerProcess, ServerSpec, free_port
+from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -47,16 +45,6 @@ class Breakdown:
     engine_us_per_request: float
     handoff_us_per_request: float
     rpc_and_rest_us_per_request: float
-
-
-def _metric_sum(text: str, name: str) -> float:
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        return response.read().decode()
 
 
 def handoff_cost_s(rows: int, repeats: int = 3000) -> float:
@@ -118,12 +106,12 @@ def measure(config: str, env: dict[str, str], args: argparse.Namespace) -> Break
     log_path = RESULTS / f"cpu_breakdown_{config}.log"
     with ServerProcess(spec, log_path) as server, PerfAnalyzer(plan, server_label=config) as load:
         load.run_point("concurrency", 4)  # warm-up
-        before_text, before_cpu = _scrape(metrics_port), server.cpu_seconds()
+        before_text, before_cpu = scrape_metrics(metrics_port), server.cpu_seconds()
         point = load.run_point("concurrency", args.concurrency)
-        after_text, after_cpu = _scrape(metrics_port), server.cpu_seconds()
+        after_text, after_cpu = scrape_metrics(metrics_port), server.cpu_seconds()
 
     def delta(name: str) -> float:
-        return _metric_sum(after_text, name) - _metric_sum(before_text, name)
+        return metric_sum(after_text, name) - metric_sum(before_text, name)
 
     requests = delta("riskserve_request_duration_seconds_count")
     batches = delta("riskserve_batch_size_count")

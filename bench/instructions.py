@@ -24,7 +24,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -32,18 +31,15 @@ from pathlib import Path
 from bench.compare import RESULTS_DIR, Knobs, server_spec
 from bench.model_io import resolve_model_path
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
-from bench.servers import ServerProcess
+from bench.servers import ServerProcess, metric_sum, scrape_metrics
 
-_REQUESTS = re.compile(r"^riskserve_requests_total\{[^}]*\}\s+(\S+)$", re.MULTILINE)
 _TOTALS = re.compile(r"^(?:totals|summary):\s+(\d+)", re.MULTILINE)
 
 
 def requests_served(metrics_port: int) -> float:
     """Requests the server has answered, by its Prometheus counter (all statuses)."""
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    return sum(float(value) for value in _REQUESTS.findall(text))
+    # A server under valgrind answers a scrape slowly.
+    return metric_sum(scrape_metrics(metrics_port, timeout_s=30.0), "riskserve_requests_total")
 
 
 def callgrind_total(out_file: Path) -> int:

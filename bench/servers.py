@@ -16,9 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.oip import wait_model_ready
+from prometheus_client.parser import text_string_to_metric_families
 
-__all__ = ["ServerProcess", "ServerSpec", "free_port"]
+from bench.oip import wait_model_ready
+from service.telemetry.stats import scrape
+
+__all__ = ["ServerProcess", "ServerSpec", "free_port", "metric_sum", "scrape_metrics"]
 
 
 def free_port() -> int:
@@ -26,6 +29,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def scrape_metrics(port: int, timeout_s: float = 5.0) -> str:
+    """A riskserve server's Prometheus text from 127.0.0.1:`port`."""
+    return scrape(f"http://127.0.0.1:{port}/metrics", timeout_s)
+
+
+def metric_sum(metrics_text: str, sample: str) -> float:
+    """A sample's values (e.g. `riskserve_requests_total`) summed over all its label sets."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(metrics_text)
+        for s in family.samples
+        if s.name == sample
+    )
 
 
 @dataclass(frozen=True)

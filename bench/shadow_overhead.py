@@ -21,12 +21,10 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -35,7 +33,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from bench.results import floats
-from bench.servers import ServerProcess, ServerSpec, free_port
+from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
 from demo.generator import FEATURE_NAMES, generate
 from riskscoring.v1 import risk_scoring_pb2 as pb
 
@@ -180,11 +178,7 @@ def _challenger_rows(prefix: Path) -> tuple[int, float]:
 
 
 def _drops(metrics_port: int) -> int:
-    url = f"http://127.0.0.1:{metrics_port}/metrics"
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    found = re.findall(r"^riskserve_shadow_drops_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
-    return int(sum(float(v) for v in found))
+    return int(metric_sum(scrape_metrics(metrics_port), "riskserve_shadow_drops_total"))
 
 
 def _worker_cpu_s() -> float:
