@@ -111,10 +111,10 @@ class BatchTrace:
     """One executed batch: a root span of its own trace, linked to the requests it served.
 
     `links` holds the (trace id, span id) of each request; the batch's own ids are drawn when
-    it is first exported (0 until then).
+    it is first exported, so a trace id of 0 means not exported yet.
     """
 
-    __slots__ = ("attributes", "end_ns", "exported", "links", "span_id", "start_ns", "trace_id")
+    __slots__ = ("attributes", "end_ns", "links", "span_id", "start_ns", "trace_id")
 
     def __init__(self, links: list[tuple[int, int]], attributes: Attributes) -> None:
         self.trace_id = 0
@@ -123,7 +123,6 @@ class BatchTrace:
         self.attributes = attributes
         self.start_ns = time.time_ns()
         self.end_ns = 0
-        self.exported = False
 
     def end(self, attributes: Attributes) -> None:
         self.end_ns = time.time_ns()
@@ -323,8 +322,7 @@ class Tracing:
             status=status,
         )
         batch = trace.batch
-        if batch is not None and not batch.exported and batch.end_ns:
-            batch.exported = True
+        if batch is not None and not batch.trace_id and batch.end_ns:
             batch.trace_id, batch.span_id = _new_id(128), _new_id(64)
             self._span(
                 BATCH_SPAN_NAME,
