@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.loadgen import LoadGenerator, LoadPlan
@@ -60,6 +60,16 @@ class Knobs:
     mlserver_batch_time_s: float
     intra_op_threads: int
     riskserve_budget_ms: float | None = None
+
+
+DEFAULT_KNOBS = Knobs(
+    max_batch_size=64, triton_queue_delay_us=200, mlserver_batch_time_s=0.0005, intra_op_threads=1
+)
+
+
+def riskserve_knobs(budget_ms: float | None) -> Knobs:
+    """This harness's default settings, for benchmarks that start only riskserve servers."""
+    return replace(DEFAULT_KNOBS, riskserve_budget_ms=budget_ms)
 
 
 class Skip(Exception):
@@ -399,10 +409,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="rate for the p99 ratio (default: highest rate all servers answered)",
     )
-    parser.add_argument("--max-batch-size", type=int, default=64)
-    parser.add_argument("--triton-queue-delay-us", type=int, default=200)
-    parser.add_argument("--mlserver-batch-time-s", type=float, default=0.0005)
-    parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument("--max-batch-size", type=int, default=DEFAULT_KNOBS.max_batch_size)
+    parser.add_argument(
+        "--triton-queue-delay-us", type=int, default=DEFAULT_KNOBS.triton_queue_delay_us
+    )
+    parser.add_argument(
+        "--mlserver-batch-time-s", type=float, default=DEFAULT_KNOBS.mlserver_batch_time_s
+    )
+    parser.add_argument("--intra-op-threads", type=int, default=DEFAULT_KNOBS.intra_op_threads)
     parser.add_argument(
         "--riskserve-budget-ms",
         type=float,

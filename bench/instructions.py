@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-from bench.compare import RESULTS_DIR, Knobs, server_spec
+from bench.compare import RESULTS_DIR, riskserve_knobs, server_spec
 from bench.model_io import resolve_model_path
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.servers import ServerProcess, metric_sum, scrape_metrics
@@ -53,7 +53,7 @@ def callgrind_total(out_file: Path) -> int:
 def count_one(name: str, args: argparse.Namespace, run: int) -> tuple[int, float]:
     """Instructions and requests of one counted span of server `name`."""
     onnx_path = resolve_model_path(None)
-    knobs = Knobs(64, 200, 0.0005, 1, args.riskserve_budget_ms)
+    knobs = riskserve_knobs(args.riskserve_budget_ms)
     spec = server_spec(name, onnx_path, knobs)
     if not name.startswith("riskserve") or spec.env.get("RISKSERVE_PROCESSES", "1") != "1":
         # Callgrind follows one process: a peer's or a forked worker's work would go uncounted.

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
 
-from bench.compare import RESULTS_DIR, Knobs, server_spec
+from bench.compare import RESULTS_DIR, riskserve_knobs, server_spec
 from bench.model_io import resolve_model_path
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.results import PointResult
@@ -148,7 +148,7 @@ def end_to_end(args: argparse.Namespace) -> Runs:
     difference the machine alone makes. Pairs take turns round after round.
     """
     onnx_path = resolve_model_path(None)
-    knobs = Knobs(64, 200, 0.0005, 1, args.riskserve_budget_ms)
+    knobs = riskserve_knobs(args.riskserve_budget_ms)
     kinds = {"on": "riskserve", "off": "riskserve-notrace", "off-2": "riskserve-notrace"}
     pairs = [("on", "off")] + ([("off-2", "off")] if args.control else [])
     results: Runs = {}
