@@ -264,13 +264,15 @@ def sweep(args: argparse.Namespace) -> int:
         "| challenger engine ms (median)"
     )
     for r in runs:
+        # `--only` may leave out the baseline: then there is nothing to compare with.
         base = next(
-            b["p99"] for b in runs
-            if b["config"] == "no experiment" and b["rate"] == r["rate"]
-            and b["repeat"] == r["repeat"]
+            (b["p99"] for b in runs
+             if b["config"] == "no experiment" and b["rate"] == r["rate"]
+             and b["repeat"] == r["repeat"]),
+            None,
         )  # fmt: skip
         shadow = r["config"] != "no experiment"
-        delta = f"{r['p99'] - base:+.2f}" if shadow else "-"
+        delta = f"{r['p99'] - base:+.2f}" if shadow and base is not None else "-"
         copies = (
             f"{r['logged']} | {r['dropped']} | {r['challenger_ms']:.2f}" if shadow else "- | - | -"
         )
