@@ -109,6 +109,8 @@ def note_validated(started_monotonic_ns: int) -> None:
 
 log = logging.getLogger(__name__)
 
+_OK = grpc.StatusCode.OK
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
@@ -173,7 +175,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                 context.invocation_metadata(),
             )
             trace_token = tracing.activate(trace)
-        status = grpc.StatusCode.OK
+        status = _OK
         try:
             if isinstance(request, Malformed):
                 raise InvalidRequest("request", f"is not a valid {request.type_name} message")
@@ -197,8 +199,9 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             kept_trace = None
             if tracing is not None and trace is not None and trace_token is not None:
                 tracing.deactivate(trace_token)
-                details = "" if status is grpc.StatusCode.OK else status.name
-                if tracing.end_request(trace, status.value[0], details) != DECISION_DROPPED:
+                # An enum's .value and .name are Python-level properties: OK skips both.
+                code, details = (0, "") if status is _OK else (status.value[0], status.name)
+                if tracing.end_request(trace, code, details) != DECISION_DROPPED:
                     kept_trace = trace.context
             if telemetry is not None and call.model:
                 telemetry.metrics.observe_request(

@@ -85,6 +85,17 @@ def _new_id(bits: int) -> int:
     return value
 
 
+def _new_trace_and_span_ids() -> tuple[int, int]:
+    """A new trace id and span id from one draw of 192 bits (one call on every request, not
+    two: in a live server at light load the request path runs with cold caches, where each
+    call counts)."""
+    bits = random.getrandbits(192)
+    trace_id, span_id = bits >> 64, bits & _TRACE_ID_LOW_MASK
+    if not trace_id or not span_id:
+        return _new_id(128), _new_id(64)
+    return trace_id, span_id
+
+
 @dataclass(frozen=True)
 class TailSamplingPolicy:
     """When to keep a trace; `export_all` keeps every one (a Collector samples instead)."""
@@ -234,12 +245,15 @@ class Tracing:
         metadata: Iterable[tuple[str, str | bytes]] | None = None,
     ) -> RequestTrace:
         parent = _parent_from(metadata)
-        trace_id = parent.trace_id if parent is not None else _new_id(128)
+        if parent is None:
+            trace_id, span_id = _new_trace_and_span_ids()
+        else:
+            trace_id, span_id = parent.trace_id, _new_id(64)
         start_ns = time.time_ns()
         self._open += 1
         return RequestTrace(
             trace_id,
-            _new_id(64),
+            span_id,
             parent,
             name,
             attributes,

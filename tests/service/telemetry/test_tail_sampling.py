@@ -16,6 +16,7 @@ from service.telemetry import (
     TailSamplingPolicy,
     Tracing,
 )
+from service.telemetry import tracing as tracing_module
 
 MS = 1_000_000
 OK, NOT_FOUND = 0, 5
@@ -87,6 +88,19 @@ def test_a_caller_sampled_parent_is_kept_and_continued_an_unsampled_one_only_con
     assert f"{span.context.trace_id:032x}" == CALLER_TRACE_ID
     assert f"{span.parent.span_id:016x}" == CALLER_SPAN_ID
     assert span.parent.is_remote
+
+
+def test_a_local_root_draws_valid_distinct_ids_and_redraws_a_zero(monkeypatch):
+    tracing, _ = _tracing()
+    traces = [_request(tracing) for _ in range(2000)]
+    assert all(0 < t.trace_id < 1 << 128 and 0 < t.span_id < 1 << 64 for t in traces)
+    assert len({t.trace_id for t in traces}) == len({t.span_id for t in traces}) == 2000
+
+    # Both ids come from one 192-bit draw; a zero in either half is the invalid id.
+    draws = iter([5 << 64, 7, 9])  # a zero span half, then the two redraws
+    monkeypatch.setattr(tracing_module.random, "getrandbits", lambda bits: next(draws))
+    redrawn = _request(tracing)
+    assert (redrawn.trace_id, redrawn.span_id) == (7, 9)
 
 
 def test_ratio_keeps_the_configured_share_of_fast_traces():
