@@ -196,11 +196,13 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             await context.abort(status, f"internal error (trace id {trace_id})")
         finally:
             _CALL.reset(call_token)
+            # An enum's .value and .name are Python-level properties: OK skips both, and
+            # neither is read twice.
+            code, name = (0, "OK") if status is _OK else (status.value[0], status.name)
             kept_trace = None
             if tracing is not None and trace is not None and trace_token is not None:
                 tracing.deactivate(trace_token)
-                # An enum's .value and .name are Python-level properties: OK skips both.
-                code, details = (0, "") if status is _OK else (status.value[0], status.name)
+                details = "" if code == 0 else name
                 if tracing.end_request(trace, code, details) != DECISION_DROPPED:
                     kept_trace = trace.context
             if telemetry is not None and call.model:
@@ -208,7 +210,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                     call.model,
                     call.version,
                     call.engine,
-                    status.name,
+                    name,
                     time.perf_counter() - started,
                     kept_trace,
                 )
