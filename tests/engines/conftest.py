@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import threading
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -166,6 +167,48 @@ def install_trt(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], StandIn]:
         monkeypatch.setitem(sys.modules, "cuda.bindings", bindings)
         monkeypatch.setitem(sys.modules, "cuda.bindings.runtime", runtime)
         return StandIn(trt, memory)
+
+    return install
+
+
+@pytest.fixture
+def scores_concurrently(model_dir: Path) -> Callable[..., None]:
+    """Scores each batch `times` over on a thread of its own, checking every result against
+    ONNX Runtime on model_dir's model; fails with the first error any thread met."""
+    from engines.onnxrt import OnnxRuntimeEngine
+
+    reference = OnnxRuntimeEngine.from_path(model_dir / "model.onnx")
+
+    def check(engine: object, batches: list[dict[str, np.ndarray]], times: int = 1) -> None:
+        errors: list[BaseException] = []
+
+        def work(batch: dict[str, np.ndarray]) -> None:
+            try:
+                for _ in range(times):
+                    got = engine.infer(batch)["score"]  # type: ignore[attr-defined]
+                    np.testing.assert_allclose(got, reference.infer(batch)["score"], rtol=1e-6)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(b,)) for b in batches]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0] if errors else None
+
+    return check
+
+
+@pytest.fixture
+def install_trt_only(monkeypatch: pytest.MonkeyPatch) -> Callable[..., types.ModuleType]:
+    """A stand-in `tensorrt` whose execution reads and writes `memory`; CUDA stays the real one."""
+
+    def install(memory: object, version: str = "10.13.0") -> types.ModuleType:
+        trt = standin.make_tensorrt(version)
+        trt.cuda_memory = memory  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "tensorrt", trt)
+        return trt
 
     return install
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,25 +116,9 @@ def test_plan_from_another_tensorrt_version_does_not_deserialize(
         TensorRTEngine(plan, precision="fp32")
 
 
-def test_contexts_run_concurrently(plan: bytes, model_dir: Path, inputs_factory) -> None:
+def test_contexts_run_concurrently(plan: bytes, inputs_factory, scores_concurrently) -> None:
     engine = TensorRTEngine(plan, precision="fp32")
-    batches = [inputs_factory(4 + i, seed=i) for i in range(6)]
-    reference = OnnxRuntimeEngine.from_path(model_dir / "model.onnx")
-    errors: list[BaseException] = []
-
-    def work(batch: dict) -> None:
-        try:
-            got = engine.infer(batch)["score"]
-            np.testing.assert_allclose(got, reference.infer(batch)["score"], rtol=1e-6)
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(b,)) for b in batches]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors
+    scores_concurrently(engine, [inputs_factory(4 + i, seed=i) for i in range(6)])
 
 
 def test_plan_record_and_inspector_sit_beside_the_plan(trt, model_dir: Path) -> None:
