@@ -4,10 +4,13 @@ it are dropped and counted).
 
 Challengers: version 2 is a copy of the demo model (the same cost as the champion); version 3
 takes the same inputs but spends tens of ms per call on a large matrix product, so with a
-queue of one job its worker is always busy and nearly every copy is dropped: the case where
-shadowing must cost the champion nothing. Load: open-loop Poisson arrivals of Score requests
-at each rate, latency from each request's scheduled send time. The load generator runs on the
-same machine. Each configuration is served by a fresh server, in turn, `--repeats` times.
+queue of one job its worker is always busy and nearly every copy is dropped. A last
+configuration stops the worker (SIGSTOP) during the load, so the queue stays full and the
+worker takes no CPU: the full queue's own cost (the case where shadowing must cost the champion
+nothing), apart from what a busy challenger's computation costs on shared cores. Load:
+open-loop Poisson arrivals of Score requests at each rate, latency from each request's
+scheduled send time. The load generator runs on the same machine. Each configuration is
+served by a fresh server, in turn, `--repeats` times.
 
     .venv/bin/python -m bench.shadow_overhead --rates 100,300 --duration-s 10 --repeats 2
 
@@ -19,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -53,7 +58,15 @@ CONFIGS: dict[str, tuple[str | None, dict[str, str]]] = {
         "3",
         {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"},
     ),
+    "shadow, queue full (worker stopped, 1 job)": (
+        "2",
+        {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"},
+    ),
 }
+# Configs whose shadow worker is stopped (SIGSTOP) for the measured load: the first copy fills
+# the queue of one job and every later copy is dropped, while the worker takes no CPU, so what
+# is measured is the full queue's own cost to the champion, apart from a busy challenger's.
+STOPPED_WORKER = {"shadow, queue full (worker stopped, 1 job)"}
 
 
 def _copy_demo(root: Path, version: str) -> Path:
@@ -181,19 +194,38 @@ def _drops(metrics_port: int) -> int:
     return int(metric_sum(scrape_metrics(metrics_port), "riskserve_shadow_drops_total"))
 
 
-def _worker_cpu_s() -> float:
-    """CPU seconds of the running shadow worker processes (they are not in the server's group)."""
-    total = 0
+def _worker_pids() -> list[int]:
+    """The running shadow worker processes (they are not in the server's process group)."""
+    pids = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if b"service.shadow.worker" not in cmdline.read_bytes():
-                continue
-            text = (cmdline.parent / "stat").read_text()
+            if b"service.shadow.worker" in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def _worker_cpu_s() -> float:
+    """CPU seconds of the running shadow worker processes."""
+    total = 0
+    for pid in _worker_pids():
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
         fields = text[text.rindex(")") + 2 :].split()
         total += int(fields[11]) + int(fields[12])
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def _signal_workers(signum: int) -> int:
+    sent = 0
+    for pid in _worker_pids():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+            sent += 1
+    return sent
 
 
 def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
@@ -227,12 +259,23 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
     with ServerProcess(spec, log) as server:
         before = []
 
+        stopped = 0
+
         def on_start() -> None:
+            nonlocal stopped
+            if name in STOPPED_WORKER:
+                stopped = _signal_workers(signal.SIGSTOP)
+                if not stopped:
+                    raise RuntimeError(f"{name}: no shadow worker to stop")
             before.extend((server.cpu_seconds(), _worker_cpu_s()))
 
-        ms, errors, sent = asyncio.run(
-            _open_loop(server.target, payloads, rate, args.duration_s, on_start)
-        )
+        try:
+            ms, errors, sent = asyncio.run(
+                _open_loop(server.target, payloads, rate, args.duration_s, on_start)
+            )
+        finally:
+            if stopped:
+                _signal_workers(signal.SIGCONT)
         cpu, worker_cpu = server.cpu_seconds() - before[0], _worker_cpu_s() - before[1]
         time.sleep(1.5)  # the drop metric is published once a second
         dropped = _drops(metrics_port)
