@@ -14,14 +14,14 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
 
-__all__ = ["Settings"]
+__all__ = ["Settings", "parse_cpu_list"]
 
 _CONFIG_FILE_VAR = "RISKSERVE_CONFIG_FILE"
 
@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     shadow_pass_interval_s: float = Field(
         0.1, ge=0, description="The shadow worker scores what has arrived at most this often."
     )
+    shadow_cpus: str = Field(
+        "",
+        description="CPUs the shadow worker may use, as a Linux CPU list ('2-3,6'); give it "
+        "cores the server does not use. Empty: the server's own.",
+    )
     trace_slow_ms: float | None = Field(
         None, gt=0, description="Traces at least this slow are always kept (default: budget / 2)."
     )
@@ -160,6 +165,16 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("shadow_cpus", mode="before")
+    @classmethod
+    def _cpu_list(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # `shadow_cpus = 3` in a TOML or JSON file
+        if isinstance(value, str):
+            parse_cpu_list(value)  # its ValueError names the bad part; pydantic, the field
+            return value.strip()
+        return value
+
     @model_validator(mode="after")
     def _fixed_port_for_processes(self) -> Settings:
         if self.processes > 1 and self.port == 0:
@@ -169,6 +184,10 @@ class Settings(BaseSettings):
     @property
     def budget_s(self) -> float:
         return self.budget_ms / 1000.0
+
+    @property
+    def shadow_cpu_set(self) -> frozenset[int]:
+        return parse_cpu_list(self.shadow_cpus)
 
     @classmethod
     def settings_customise_sources(
@@ -181,6 +200,29 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         config_file = _ConfigFileSource(settings_cls, os.environ.get(_CONFIG_FILE_VAR))
         return (init_settings, env_settings, config_file)
+
+
+# sched_setaffinity's CPU numbers are bounded by the kernel's CPU mask (CONFIG_NR_CPUS).
+_MAX_CPU = 8191
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """CPU numbers from a Linux CPU list such as ``"2-3,6"`` (the format of taskset -c and
+    cpuset.cpus); an empty string is the empty set. Raises ValueError naming the bad part."""
+    if not text.strip():
+        return frozenset()
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        low, dash, high = part.partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise ValueError(f"{part!r} is not a CPU number or a range like 2-3") from None
+        if not 0 <= first <= last <= _MAX_CPU:
+            raise ValueError(f"{part!r} is not an ascending range of CPUs 0 to {_MAX_CPU}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
 
 
 def _is_loopback(host: str) -> bool:

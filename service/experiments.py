@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +47,7 @@ class Experiments:
         max_queued_jobs: int,
         flush_interval_s: float,
         pass_interval_s: float = 0.1,
+        shadow_cpus: Collection[int] = (),
         telemetry: Telemetry | None = None,
     ) -> None:
         self._registry = registry
@@ -62,6 +64,7 @@ class Experiments:
             flush_interval_s=flush_interval_s,
             max_queued_jobs=max_queued_jobs,
             pass_interval_s=pass_interval_s,
+            cpus=shadow_cpus,
         )
         self._watcher: asyncio.Task[None] | None = None
 

@@ -178,6 +178,7 @@ async def build_server(
             max_queued_jobs=settings.shadow_max_queued_jobs,
             flush_interval_s=settings.shadow_flush_interval_s,
             pass_interval_s=settings.shadow_pass_interval_s,
+            shadow_cpus=settings.shadow_cpu_set,
             telemetry=telemetry,
         )
         experiments.start()

@@ -21,13 +21,13 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from service.shadow.channel import FrameDecoder, encode_job, frame
 from service.shadow.job import ShadowJob
-from service.shadow.priority import lower_priority
+from service.shadow.priority import lower_priority, restrict_cpus
 
 __all__ = ["ShadowRunner"]
 
@@ -68,6 +68,7 @@ class ShadowRunner:
         flush_interval_s: float = 1.0,
         max_queued_jobs: int = 1024,
         pass_interval_s: float = 0.1,
+        cpus: Collection[int] = (),
         restart_delay_s: float = 1.0,
         max_restart_delay_s: float = 60.0,
     ) -> None:
@@ -76,6 +77,7 @@ class ShadowRunner:
         self._version_dir = version_dir
         self._config = ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s)
         self.max_queued_jobs = max_queued_jobs
+        self.cpus = frozenset(cpus)  # empty: the worker runs where the server may
         self._restart_delay_s = restart_delay_s
         self._max_restart_delay_s = max_restart_delay_s
         self._transport: asyncio.Transport | None = None
@@ -284,13 +286,14 @@ class ShadowRunner:
             self.worker_pid = None
         return code
 
-    @staticmethod
-    async def _spawn(sock: socket.socket) -> int:
+    async def _spawn(self, sock: socket.socket) -> int:
         sock.set_inheritable(True)
         argv = [sys.executable, "-m", "service.shadow.worker", "--fd", str(sock.fileno())]
         # posix_spawn, not fork: this process runs gRPC and engine threads.
         pid = await asyncio.to_thread(os.posix_spawn, sys.executable, argv, os.environ, setsid=True)
         lower_priority(pid)  # before the new interpreter has done much at normal priority
+        if self.cpus:
+            restrict_cpus(pid, self.cpus)
         return pid
 
     async def _reap(self, pid: int) -> int:

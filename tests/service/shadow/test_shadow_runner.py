@@ -190,3 +190,30 @@ def test_close_while_the_worker_is_down_returns_at_once(models: Path, tmp_path: 
 
     runner = run(scenario)
     assert (runner.submitted, runner.completed + runner.dropped, runner.in_flight) == (1, 2, 0)
+
+
+def _threads_of(pid: int) -> list[int]:
+    return [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def test_worker_runs_at_idle_priority_on_the_cpus_it_is_given(models: Path, tmp_path: Path):
+    cpu = max(os.sched_getaffinity(0))  # not the whole mask wherever there are two CPUs or more
+
+    async def scenario() -> tuple[ShadowRunner, set[tuple[int, int, frozenset[int]]]]:
+        runner = runner_for(models, tmp_path, cpus=[cpu])  # type: ignore[arg-type]
+        runner.start()
+        assert runner.submit(job(0))
+        await until(lambda: runner.completed == 1)  # its engine (and any threads) are loaded
+        pid = runner.worker_pid
+        assert pid is not None
+        seen = {
+            (os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid),
+             frozenset(os.sched_getaffinity(tid)))
+            for tid in _threads_of(pid)
+        }  # fmt: skip
+        await runner.close(timeout_s=30)
+        return runner, seen
+
+    runner, seen = run(scenario)
+    assert seen == {(os.SCHED_IDLE, 19, frozenset({cpu}))}  # every thread of the worker
+    assert runner.completed == 1 and runner.cpus == frozenset({cpu})

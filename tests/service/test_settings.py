@@ -1,0 +1,39 @@
+"""Settings that take a structured value: the shadow worker's CPU list."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from service.config import Settings, parse_cpu_list
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [("", set()), (" ", set()), ("3", {3}), ("0-2", {0, 1, 2}), ("2-3, 6,2", {2, 3, 6})],
+)
+def test_cpu_lists_read_as_taskset_reads_them(text: str, cpus: set[int]) -> None:
+    assert parse_cpu_list(text) == cpus
+
+
+@pytest.mark.parametrize(
+    ("text", "bad"),
+    [("x", "'x'"), ("1,,2", "''"), ("3-1", "'3-1'"), ("-1", "'-1'"), ("1-", "'1-'")],
+)
+def test_a_bad_cpu_list_is_refused_naming_the_part(text: str, bad: str) -> None:
+    with pytest.raises(ValueError, match=bad):
+        parse_cpu_list(text)
+
+
+def test_shadow_cpus_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("RISKSERVE_SHADOW_CPUS", "1-2")
+    assert Settings(models_dir=tmp_path).shadow_cpu_set == {1, 2}
+    monkeypatch.setenv("RISKSERVE_SHADOW_CPUS", "two")
+    with pytest.raises(pydantic.ValidationError, match=r"shadow_cpus[\s\S]*'two'"):
+        Settings(models_dir=tmp_path)
+    monkeypatch.delenv("RISKSERVE_SHADOW_CPUS")
+    assert Settings(models_dir=tmp_path).shadow_cpu_set == frozenset()
+
+
+def test_shadow_cpus_may_be_one_number_in_a_config_file(tmp_path) -> None:
+    assert Settings(models_dir=tmp_path, shadow_cpus=3).shadow_cpu_set == {3}
