@@ -62,6 +62,19 @@ CONFIGS: dict[str, tuple[str | None, dict[str, str]]] = {
         "2",
         {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"},
     ),
+    # The slow challenger on a core of its own: the server (and so its engine threads) on CPU
+    # 0 alone, the worker on CPU 1 alone; compare with the pinned baseline below.
+    "no experiment, server on CPU 0": (None, {}),
+    "slow challenger on CPU 1, server on CPU 0 (1 job)": (
+        "3",
+        {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1", "RISKSERVE_SHADOW_CPUS": "1"},
+    ),
+}
+# Configs whose server runs under `taskset -c 0`; their p99 is compared with the pinned
+# baseline's, not the free one's.
+SERVER_ON_CPU0 = {
+    "no experiment, server on CPU 0",
+    "slow challenger on CPU 1, server on CPU 0 (1 job)",
 }
 # Configs whose shadow worker is stopped (SIGSTOP) for the measured load: the first copy fills
 # the queue of one job and every later copy is dropped, while the worker takes no CPU, so what
@@ -247,9 +260,17 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
             arms = {"champion": "1", "challengers": ["2"], "mode": "ab", "ab_share": 0.0}
         experiments.write_text(json.dumps({"models": {"fraud-demo": arms}}))
         env["RISKSERVE_EXPERIMENTS_FILE"] = str(experiments)
+    argv: tuple[str, ...] = (
+        str(REPO / ".venv" / "bin" / "riskserve"),
+        "serve",
+        "--port",
+        str(port),
+    )
+    if name in SERVER_ON_CPU0:
+        argv = ("taskset", "-c", "0", *argv)
     spec = ServerSpec(
         name=name,
-        argv=(str(REPO / ".venv" / "bin" / "riskserve"), "serve", "--port", str(port)),
+        argv=argv,
         grpc_port=port,
         model_name="fraud-demo",
         env=env,
@@ -308,13 +329,16 @@ def sweep(args: argparse.Namespace) -> int:
     )
     for r in runs:
         # `--only` may leave out the baseline: then there is nothing to compare with.
+        baseline = (
+            "no experiment, server on CPU 0" if r["config"] in SERVER_ON_CPU0 else "no experiment"
+        )
         base = next(
             (b["p99"] for b in runs
-             if b["config"] == "no experiment" and b["rate"] == r["rate"]
+             if b["config"] == baseline and b["rate"] == r["rate"]
              and b["repeat"] == r["repeat"]),
             None,
         )  # fmt: skip
-        shadow = r["config"] != "no experiment"
+        shadow = r["config"] != baseline
         delta = f"{r['p99'] - base:+.2f}" if shadow and base is not None else "-"
         copies = (
             f"{r['logged']} | {r['dropped']} | {r['challenger_ms']:.2f}" if shadow else "- | - | -"
