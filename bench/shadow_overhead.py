@@ -4,10 +4,12 @@ it are dropped and counted).
 
 Challengers: version 2 is a copy of the demo model (the same cost as the champion); version 3
 takes the same inputs but spends tens of ms per call on a large matrix product, so with a
-queue of one job its worker is always busy and nearly every copy is dropped. A last
+queue of one job its worker is always busy and nearly every copy is dropped. Another
 configuration stops the worker (SIGSTOP) during the load, so the queue stays full and the
 worker takes no CPU: the full queue's own cost (the case where shadowing must cost the champion
-nothing), apart from what a busy challenger's computation costs on shared cores. Load:
+nothing), apart from what a busy challenger's computation costs on shared cores. A pinned
+pair runs the server under `taskset -c 0` and, in the one with the slow challenger, its worker
+on CPU 1 (RISKSERVE_SHADOW_CPUS): a costly challenger on a core of its own. Load:
 open-loop Poisson arrivals of Score requests at each rate, latency from each request's
 scheduled send time. The load generator runs on the same machine. Each configuration is
 served by a fresh server, in turn, `--repeats` times.
@@ -279,7 +281,6 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
     log = REPO / "bench" / "results" / f"shadow_overhead_{port}.log"
     with ServerProcess(spec, log) as server:
         before = []
-
         stopped = 0
 
         def on_start() -> None:
