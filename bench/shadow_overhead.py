@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import numpy as np
@@ -49,39 +50,38 @@ DEMO = REPO / "models" / "fraud-demo" / "1"
 SLOW_MATRIX = 1024  # version 3's product of two SLOW_MATRIX-square matrices per engine call
 WARMUP_REQUESTS = 50
 
-# name -> (challenger version or None, extra environment); "ab" serves and logs the champion
-# only (an A/B split of 0): the experiment's own cost without any shadow copy or worker.
-CONFIGS: dict[str, tuple[str | None, dict[str, str]]] = {
-    "no experiment": (None, {}),
-    "experiment logged, no shadow": ("ab", {}),
-    "shadow every request": ("2", {}),
-    "shadow, queue of 1 job": ("2", {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"}),
-    "shadow, queue full (slow challenger, 1 job)": (
-        "3",
-        {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"},
-    ),
-    "shadow, queue full (worker stopped, 1 job)": (
-        "2",
-        {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"},
-    ),
+
+class Config(NamedTuple):
+    """One configuration: the challenger version (None: no experiment; "ab" serves and logs
+    the champion only, an A/B split of 0: the experiment's own cost without any shadow copy or
+    worker) and the server's extra environment."""
+
+    version: str | None
+    env: dict[str, str]
+    # The server runs under `taskset -c 0`; its p99 is compared with the pinned baseline's.
+    server_on_cpu0: bool = False
+    # The shadow worker is stopped (SIGSTOP) for the measured load: the first copy fills the
+    # queue of one job and every later copy is dropped, while the worker takes no CPU, so what
+    # is measured is the full queue's own cost to the champion, apart from a busy challenger's.
+    stop_worker: bool = False
+
+
+ONE_JOB = {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1"}
+BASELINE, PINNED_BASELINE = "no experiment", "no experiment, server on CPU 0"
+CONFIGS: dict[str, Config] = {
+    BASELINE: Config(None, {}),
+    "experiment logged, no shadow": Config("ab", {}),
+    "shadow every request": Config("2", {}),
+    "shadow, queue of 1 job": Config("2", ONE_JOB),
+    "shadow, queue full (slow challenger, 1 job)": Config("3", ONE_JOB),
+    "shadow, queue full (worker stopped, 1 job)": Config("2", ONE_JOB, stop_worker=True),
     # The slow challenger on a core of its own: the server (and so its engine threads) on CPU
-    # 0 alone, the worker on CPU 1 alone; compare with the pinned baseline below.
-    "no experiment, server on CPU 0": (None, {}),
-    "slow challenger on CPU 1, server on CPU 0 (1 job)": (
-        "3",
-        {"RISKSERVE_SHADOW_MAX_QUEUED_JOBS": "1", "RISKSERVE_SHADOW_CPUS": "1"},
+    # 0 alone, the worker on CPU 1 alone; compared with the pinned baseline.
+    PINNED_BASELINE: Config(None, {}, server_on_cpu0=True),
+    "slow challenger on CPU 1, server on CPU 0 (1 job)": Config(
+        "3", {**ONE_JOB, "RISKSERVE_SHADOW_CPUS": "1"}, server_on_cpu0=True
     ),
 }
-# Configs whose server runs under `taskset -c 0`; their p99 is compared with the pinned
-# baseline's, not the free one's.
-SERVER_ON_CPU0 = {
-    "no experiment, server on CPU 0",
-    "slow challenger on CPU 1, server on CPU 0 (1 job)",
-}
-# Configs whose shadow worker is stopped (SIGSTOP) for the measured load: the first copy fills
-# the queue of one job and every later copy is dropped, while the worker takes no CPU, so what
-# is measured is the full queue's own cost to the champion, apart from a busy challenger's.
-STOPPED_WORKER = {"shadow, queue full (worker stopped, 1 job)"}
 
 
 def _copy_demo(root: Path, version: str) -> Path:
@@ -244,7 +244,8 @@ def _signal_workers(signum: int) -> int:
 
 
 def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
-    version, extra = CONFIGS[name]
+    config = CONFIGS[name]
+    version = config.version
     port, metrics_port = free_port(), free_port()
     logs = tmp / "logs" / str(port)
     env = {
@@ -253,7 +254,7 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
         "RISKSERVE_TRACE_FILE": "none",
         "RISKSERVE_BUDGET_MS": "1000",
         "RISKSERVE_SHADOW_LOG_PREFIX": str(logs),
-        **extra,
+        **config.env,
     }
     if version is not None:
         experiments = tmp / f"experiments-{version}.json"
@@ -268,7 +269,7 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
         "--port",
         str(port),
     )
-    if name in SERVER_ON_CPU0:
+    if config.server_on_cpu0:
         argv = ("taskset", "-c", "0", *argv)
     spec = ServerSpec(
         name=name,
@@ -285,7 +286,7 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
 
         def on_start() -> None:
             nonlocal stopped
-            if name in STOPPED_WORKER:
+            if config.stop_worker:
                 stopped = _signal_workers(signal.SIGSTOP)
                 if not stopped:
                     raise RuntimeError(f"{name}: no shadow worker to stop")
@@ -330,9 +331,7 @@ def sweep(args: argparse.Namespace) -> int:
     )
     for r in runs:
         # `--only` may leave out the baseline: then there is nothing to compare with.
-        baseline = (
-            "no experiment, server on CPU 0" if r["config"] in SERVER_ON_CPU0 else "no experiment"
-        )
+        baseline = PINNED_BASELINE if CONFIGS[r["config"]].server_on_cpu0 else BASELINE
         base = next(
             (b["p99"] for b in runs
              if b["config"] == baseline and b["rate"] == r["rate"]
