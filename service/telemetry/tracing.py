@@ -69,7 +69,7 @@ REASON_RATIO = "ratio"
 REASON_ALL = "all"
 DECISION_DROPPED = "dropped"
 
-_TRACE_ID_LOW_MASK = (1 << 64) - 1
+_LOW_64_BITS = (1 << 64) - 1  # a trace id's low half (the ratio rule), a span id's width
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _OK = Status(StatusCode.UNSET)
@@ -90,7 +90,7 @@ def _new_trace_and_span_ids() -> tuple[int, int]:
     two: in a live server at light load the request path runs with cold caches, where each
     call counts)."""
     bits = random.getrandbits(192)
-    trace_id, span_id = bits >> 64, bits & _TRACE_ID_LOW_MASK
+    trace_id, span_id = bits >> 64, bits & _LOW_64_BITS
     if not trace_id or not span_id:
         return _new_id(128), _new_id(64)
     return trace_id, span_id
@@ -297,7 +297,7 @@ class Tracing:
         parent = trace.parent
         if parent is not None and parent.trace_flags.sampled:
             return REASON_PARENT
-        if (trace.trace_id & _TRACE_ID_LOW_MASK) < self._ratio_bound:
+        if (trace.trace_id & _LOW_64_BITS) < self._ratio_bound:
             return REASON_RATIO
         return DECISION_DROPPED
 
