@@ -144,19 +144,20 @@ _OIP_DTYPES = {"FP32": np.float32}
 
 
 def _tensor(
-    request: oip.ModelInferRequest, index: int, tensor: oip.ModelInferRequest.InferInputTensor
+    raw_contents: Sequence[bytes], index: int, tensor: oip.ModelInferRequest.InferInputTensor
 ) -> np.ndarray:
+    """Input `index` as an array of its shape; `raw_contents` is the request's raw inputs."""
     field = f"inputs[{index}]"
     if tensor.datatype not in _OIP_DTYPES:
         raise InvalidRequest(f"{field}.datatype", f"{tensor.datatype!r} is not FP32")
-    shape = tuple(int(d) for d in tensor.shape)
-    if any(d < 0 for d in shape):
+    shape = tuple(tensor.shape)  # Python ints (int64 in the message)
+    if shape and min(shape) < 0:
         raise InvalidRequest(f"{field}.shape", f"{list(shape)} has a negative dimension")
     count = math.prod(shape)  # exact: numpy's int64 product wraps around on huge shapes
-    if request.raw_input_contents:
-        if index >= len(request.raw_input_contents):
+    if raw_contents:
+        if index >= len(raw_contents):
             raise InvalidRequest("raw_input_contents", f"has no entry for inputs[{index}]")
-        raw = request.raw_input_contents[index]
+        raw = raw_contents[index]
         if len(raw) != count * 4:
             raise InvalidRequest(
                 f"raw_input_contents[{index}]",
@@ -181,20 +182,21 @@ def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> 
     if spec is not None:
         expected |= {spec.input: 3, spec.mask_input: 2}
     arrays: dict[str, np.ndarray] = {}
+    raw_contents = request.raw_input_contents
     for i, tensor in enumerate(request.inputs):
         if tensor.name not in expected:
             raise InvalidRequest(
                 f"inputs[{i}].name", f"{tensor.name!r} is not one of {sorted(expected)}"
             )
-        array = _tensor(request, i, tensor)
+        array = _tensor(raw_contents, i, tensor)
         if array.ndim != expected[tensor.name]:
             raise InvalidRequest(
                 f"inputs[{i}].shape",
                 f"{list(array.shape)} should have {expected[tensor.name]} dimensions",
             )
         arrays[tensor.name] = array
-    missing = sorted(set(expected) - set(arrays))
-    if missing:
+    if len(arrays) < len(expected):
+        missing = sorted(set(expected) - set(arrays))
         raise InvalidRequest("inputs", f"missing {', '.join(missing)}")
     features = arrays[manifest.features_input]
     n = features.shape[0]
@@ -207,9 +209,11 @@ def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> 
             f"{manifest.features_input}.shape",
             f"has {features.shape[1]} features, expected {manifest.n_features}",
         )
+    # Every array here is C-contiguous already: a fresh buffer reshaped whole (`_tensor`), or
+    # what `_finite` made of one.
     features = _finite(features, manifest.features_input, manifest)
     if spec is None:
-        return RowBatch(np.ascontiguousarray(features), None, None)
+        return RowBatch(features, None, None)
     history, mask = arrays[spec.input], arrays[spec.mask_input]
     if history.shape[0] != n or mask.shape[0] != n:
         raise InvalidRequest("inputs", "all inputs must have the same batch dimension")
@@ -227,11 +231,10 @@ def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> 
     if mask.shape[1] != history.shape[1]:
         raise InvalidRequest(f"{spec.mask_input}.shape", "must match the history length")
     history = _finite(history, spec.input, manifest)
-    if not ((mask == 0.0) | (mask == 1.0)).all():
+    # Only 0 and 1: every nonzero value is a 1 (NaN, infinity and -1 are nonzero, and not 1).
+    if np.count_nonzero(mask) != np.count_nonzero(mask == 1.0):
         raise InvalidRequest(spec.mask_input, "values must be 0 or 1")
-    return RowBatch(
-        np.ascontiguousarray(features), np.ascontiguousarray(history), np.ascontiguousarray(mask)
-    )
+    return RowBatch(features, history, mask)
 
 
 def encode_infer_response(

@@ -213,6 +213,54 @@ def test_oip_bad_tensors(oip_stub):
     )
 
 
+def _with(shape: tuple[int, ...], index: tuple[int, ...], value: float, fill: float = 1.0):
+    array = np.full(shape, fill, np.float32)
+    array[index] = value
+    return array
+
+
+FEATURES_SHAPE, HISTORY_SHAPE, MASK_SHAPE = (
+    (2, len(FEATURE_NAMES)),
+    (2, 4, len(HISTORY_FIELDS)),
+    (2, 4),
+)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_oip_non_finite_values_name_their_input(oip_stub, value):
+    features = _with(FEATURES_SHAPE, (1, 3), value)
+    history = _with(HISTORY_SHAPE, (0, 2, 1), value, fill=0.0)
+    for overrides, field in (
+        ({"features": features}, "features"),
+        ({"history": history}, "history"),
+    ):
+        expect(
+            lambda o=overrides: oip_stub.ModelInfer(infer_request(**o), timeout=5),
+            INVALID,
+            field,
+            "NaN or infinite",
+        )
+
+
+@pytest.mark.parametrize("value", [0.5, 2.0, -1.0, math.nan, math.inf])
+def test_oip_mask_values_other_than_0_and_1_are_refused(oip_stub, value):
+    mask = _with(MASK_SHAPE, (1, 2), value)
+    expect(
+        lambda: oip_stub.ModelInfer(infer_request(history_mask=mask), timeout=5),
+        INVALID,
+        "history_mask",
+        "0 or 1",
+    )
+
+
+def test_oip_largest_finite_values_and_negative_zero_mask_are_accepted(oip_stub):
+    """float32's largest values are finite, and -0.0 is a 0 in a mask."""
+    big = np.full(FEATURES_SHAPE, np.finfo(np.float32).max, np.float32)
+    mask = _with(MASK_SHAPE, (0, 3), -0.0)
+    reply = oip_stub.ModelInfer(infer_request(features=big, history_mask=mask), timeout=5)
+    assert np.frombuffer(reply.raw_output_contents[0], "<f4").shape == (2,)
+
+
 def test_burst_of_malformed_and_random_bytes_leaves_server_serving(live, stub):
     rng = random.Random(7)
     with live.channel() as channel:
