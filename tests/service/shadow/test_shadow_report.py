@@ -3,6 +3,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
+import subprocess
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -170,3 +172,42 @@ def test_render_html_without_labels(experiment: tuple[Path, Path, Traffic]) -> N
     report = build_report(str(experiment[0]), bootstrap_resamples=10)
     page = render_html(report)
     assert page.count("data:image/png;base64,") == 2 and "no labels" in page
+
+
+# Matplotlib's first two colours, which draw the champion's and the challenger's lines.
+ARM_COLOURS = ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E))
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(
+    CHROMIUM is None,
+    reason="no Chromium here: `make test` installs Debian's chromium where apt-get runs as root",
+)
+def test_html_report_renders_in_headless_chromium(
+    experiment: tuple[Path, Path, Traffic], tmp_path: Path
+) -> None:
+    """The page as a browser draws it: the three plots decode and show both arms' lines."""
+    import matplotlib.image
+
+    prefix, labels, _ = experiment
+    page, shot = tmp_path / "report.html", tmp_path / "report.png"
+    report = build_report(str(prefix), labels_path=str(labels), thresholds=THRESHOLDS,
+                          bootstrap_resamples=50)  # fmt: skip
+    page.write_text(render_html(report))
+    # No network: the flags keep Chromium from reaching out, which this page never needs.
+    subprocess.run(
+        [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--disable-quic", f"--user-data-dir={tmp_path / 'profile'}", "--hide-scrollbars",
+         "--window-size=1200,3200", f"--screenshot={shot}", page.as_uri()],
+        check=True, capture_output=True, timeout=120,
+    )  # fmt: skip
+    pixels = matplotlib.image.imread(shot)[..., :3]
+    assert pixels.shape[:2] == (3200, 1200)
+    rgb = np.rint(pixels * 255).astype(int)
+    for colour in ARM_COLOURS:  # both arms' lines are drawn, so the embedded plots decoded
+        near = np.abs(rgb - np.array(colour)).sum(axis=-1) <= 30
+        assert near.sum() > 500, colour
+    # Rows with ink below the page's top: text, tables and plots all laid out.
+    inked_rows = (rgb.min(axis=-1) < 128).any(axis=1)
+    assert inked_rows[:200].any() and inked_rows.sum() > 800
