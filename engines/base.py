@@ -55,6 +55,10 @@ class EngineFailure(EngineError):
     """The backend raised or returned an error while running a batch."""
 
 
+class NonFiniteOutput(EngineFailure):
+    """An engine returned NaN or infinity: a broken engine, or rows outside its numeric range."""
+
+
 class EngineHung(EngineFailure):
     """A call did not return within the engine time limit; its thread may still be running."""
 

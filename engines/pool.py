@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.base import Engine, EngineFailure, EngineHung, Profile, ShapeMismatch
+from engines.base import (
+    Engine,
+    EngineFailure,
+    EngineHung,
+    NonFiniteOutput,
+    Profile,
+    ShapeMismatch,
+)
 from engines.manifest import Manifest
 
 __all__ = ["CalibrationReport", "EngineHealth", "EnginePool", "PoolResult"]
@@ -98,6 +105,8 @@ class EnginePool:
         self._total = {e.name: 0 for e in self._engines}
         self._last_error = {e.name: "" for e in self._engines}
         self._removed: set[str] = set()
+        # One row every engine scored finitely at calibration; see `_fail_over`.
+        self._probe: dict[str, np.ndarray] | None = None
 
     @classmethod
     def for_manifest(
@@ -160,7 +169,7 @@ class EnginePool:
             for name, value in outputs.items():
                 array = np.asarray(value)
                 if array.dtype.kind in "fc" and not np.isfinite(array).all():
-                    raise EngineFailure(f"{engine.name}: non-finite values in output {name!r}")
+                    raise NonFiniteOutput(f"{engine.name}: non-finite values in output {name!r}")
         return outputs
 
     # -- running ---------------------------------------------------------------------------
@@ -205,10 +214,29 @@ class EnginePool:
         except ShapeMismatch as exc:
             return self._on_fallback(inputs, _mismatch_reason(exc), n)
         except EngineFailure as exc:
-            self._record(engine, exc)
-            return self._on_fallback(inputs, _error_reason(engine, exc), n)
+            return self._fail_over(engine, exc, inputs, n)
         self._record(engine)
         return PoolResult(outputs, engine.name, "", (engine.name,) * n)
+
+    def _fail_over(self, engine: Engine, exc: EngineFailure, inputs: Arrays, n: int) -> PoolResult:
+        """The fallback's result for a batch `engine` failed on, the failure counted.
+
+        Non-finite output is not counted against an engine that still scores the probe (a row
+        of the calibration sample) finitely: the batch's rows were outside its numeric range,
+        as when FP16 overflows on values FP32 takes. Checked inputs can be extreme and still
+        finite, and three such requests must not take an engine out of service.
+        """
+        if isinstance(exc, NonFiniteOutput) and self._probe is not None:
+            try:
+                self._checked(engine, self._probe)
+            except EngineFailure as probe_exc:  # broken, or hung: counted as what it is
+                exc = probe_exc
+            except ShapeMismatch:
+                pass  # the probe does not fit this engine: no evidence either way
+            else:
+                return self._on_fallback(inputs, f"non_finite_output: {engine.name}", n)
+        self._record(engine, exc)
+        return self._on_fallback(inputs, _error_reason(engine, exc), n)
 
     def _row_lengths(self, inputs: Arrays) -> np.ndarray | None:
         if self.mask_input is None or self.mask_input not in inputs:
@@ -269,8 +297,7 @@ class EnginePool:
         except ShapeMismatch as exc:
             return self._on_fallback(inputs, _mismatch_reason(exc), n)
         except EngineFailure as exc:
-            self._record(engine, exc)
-            return self._on_fallback(inputs, _error_reason(engine, exc), n)
+            return self._fail_over(engine, exc, inputs, n)
         self._record(engine)
         if rest.size == 0:
             # Only padding made the batch too long; every row fitted once trimmed.
@@ -297,7 +324,12 @@ class EnginePool:
 
         Engines are ranked by the geometric mean of their time relative to the fastest engine
         at each batch size they accept; an engine that accepts none keeps its place at the end.
+        The sample's first row becomes the probe that tells a broken engine from rows outside
+        its range (`_fail_over`), if the fallback scores it finitely.
         """
+        probe = _take(sample_inputs, slice(0, 1))
+        if all(np.isfinite(v).all() for v in self.fallback.infer(probe).values()):
+            self._probe = probe
         seconds: dict[str, dict[int, float]] = {}
         for engine in self.in_service:
             seconds[engine.name] = {}

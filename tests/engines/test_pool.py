@@ -31,11 +31,15 @@ class FakeEngine(Engine):
         precision: str = "fp16",
         delay_s: float = 0.0,
         fail: int = 0,
+        half_range: bool = False,
+        nan: bool = False,
     ) -> None:
         self.name = name
         self.precision = precision
         self.delay_s = delay_s
         self.fail = fail
+        self.half_range = half_range  # scores pass through float16, as in an FP16 engine
+        self.nan = nan
         self.calls: list[dict[str, tuple[int, ...]]] = []
         batch = DimRange(1, 1, max_batch)
         length = DimRange(1, 1, max_length)
@@ -57,7 +61,13 @@ class FakeEngine(Engine):
             raise EngineFailure(f"{self.name} failed")
         if self.delay_s:
             time.sleep(self.delay_s)
-        return {"score": _score(inputs)}
+        score = _score(inputs)
+        if self.half_range:
+            with np.errstate(over="ignore"):
+                score = score.astype(np.float16).astype(np.float32)
+        if self.nan:
+            score[:] = np.nan
+        return {"score": score}
 
 
 def _batch(lengths: list[int], padded: int) -> dict[str, np.ndarray]:
@@ -169,6 +179,42 @@ def test_a_success_resets_the_error_count() -> None:
     assert pool.run(inputs).engine_name == "tensorrt-fp16"
     assert pool.health["tensorrt-fp16"].consecutive_errors == 0
     assert pool.health["tensorrt-fp16"].healthy
+
+
+def _extreme(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Finite features beyond float16's range (65504)."""
+    return {**inputs, "features": np.full_like(inputs["features"], 1e6)}
+
+
+def test_rows_outside_an_engines_range_do_not_take_it_out_of_service() -> None:
+    fp16 = FakeEngine("tensorrt-fp16", half_range=True)
+    pool, _ = _pool(fp16, max_consecutive_errors=3)
+    ordinary = _batch([2, 3], padded=3)
+    pool.calibrate(ordinary, [1])
+    for _ in range(5):  # more than max_consecutive_errors
+        result = pool.run(_extreme(ordinary))
+        assert result.engine_name == "onnxruntime-cpu"
+        assert result.fallback_reason == "non_finite_output: tensorrt-fp16"
+        np.testing.assert_allclose(result.outputs["score"], _score(_extreme(ordinary)))
+    health = pool.health["tensorrt-fp16"]
+    assert health.healthy and health.consecutive_errors == 0 and health.total_errors == 0
+    assert pool.run(ordinary).engine_name == "tensorrt-fp16"
+
+
+@pytest.mark.parametrize("calibrated", [True, False])
+def test_an_engine_that_returns_nan_for_every_row_leaves_the_pool(calibrated: bool) -> None:
+    """Its probe row comes back non-finite too; without a probe every non-finite batch counts."""
+    broken = FakeEngine("tensorrt-fp16", nan=True)
+    pool, _ = _pool(broken, max_consecutive_errors=3)
+    inputs = _batch([2], padded=2)
+    if calibrated:
+        pool.calibrate(inputs, [1])
+    for _ in range(3):
+        result = pool.run(inputs)
+        assert result.fallback_reason == "engine_error: tensorrt-fp16"
+        np.testing.assert_allclose(result.outputs["score"], _score(inputs))
+    assert not pool.health["tensorrt-fp16"].healthy
+    assert pool.run(inputs).fallback_reason == "engines_unavailable"
 
 
 def test_second_engine_takes_what_the_first_cannot() -> None:
