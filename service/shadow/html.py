@@ -16,8 +16,9 @@ __all__ = ["render_html"]
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1100px}
 table{border-collapse:collapse;margin:.5em 0 1.5em}td,th{border:1px solid #ccc;padding:4px 8px;
-text-align:right}th{background:#f3f3f3}.verdict{font-size:1.2em;font-weight:bold}
-img{max-width:100%;border:1px solid #eee}
+text-align:right;white-space:nowrap}th{background:#f3f3f3}.verdict{font-size:1.2em;
+font-weight:bold}
+img{max-width:100%;border:1px solid #eee}.ci{color:#555;font-size:.85em}
 """
 
 
@@ -85,7 +86,9 @@ def _fmt(value: Any) -> str:
 def _ci(interval: Any) -> str:
     if interval is None:
         return "n/a"
-    return f"{_fmt(interval.estimate)} [{_fmt(interval.low)}, {_fmt(interval.high)}]"
+    # The interval on a line of its own: a wide table's cells break there and nowhere else.
+    bounds = f"[{_fmt(interval.low)}, {_fmt(interval.high)}]"
+    return f'{_fmt(interval.estimate)}<br><span class="ci">{bounds}</span>'
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> str:
