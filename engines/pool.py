@@ -105,7 +105,7 @@ class EnginePool:
         self._total = {e.name: 0 for e in self._engines}
         self._last_error = {e.name: "" for e in self._engines}
         self._removed: set[str] = set()
-        # One row every engine scored finitely at calibration; see `_fail_over`.
+        # A calibration row the fallback scores finitely; see `_fail_over`.
         self._probe: dict[str, np.ndarray] | None = None
 
     @classmethod
@@ -219,7 +219,7 @@ class EnginePool:
         return PoolResult(outputs, engine.name, "", (engine.name,) * n)
 
     def _fail_over(self, engine: Engine, exc: EngineFailure, inputs: Arrays, n: int) -> PoolResult:
-        """The fallback's result for a batch `engine` failed on, the failure counted.
+        """Serve a batch `engine` failed on from the fallback, and count the failure.
 
         Non-finite output is not counted against an engine that still scores the probe (a row
         of the calibration sample) finitely: the batch's rows were outside its numeric range,
