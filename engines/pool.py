@@ -70,6 +70,15 @@ def _rows(inputs: Arrays) -> int:
     return len(next(iter(inputs.values())))
 
 
+def _non_finite(outputs: Arrays) -> str | None:
+    """The first floating-point output holding NaN or infinity, by name; None if none does."""
+    for name, value in outputs.items():
+        array = np.asarray(value)
+        if array.dtype.kind in "fc" and not np.isfinite(array).all():
+            return name
+    return None
+
+
 def _shapes(inputs: Arrays) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(d) for d in a.shape) for name, a in inputs.items()}
 
@@ -165,11 +174,8 @@ class EnginePool:
 
     def _checked(self, engine: Engine, inputs: Arrays) -> dict[str, np.ndarray]:
         outputs = self._run_chunked(engine, inputs)
-        if engine is not self.fallback:
-            for name, value in outputs.items():
-                array = np.asarray(value)
-                if array.dtype.kind in "fc" and not np.isfinite(array).all():
-                    raise NonFiniteOutput(f"{engine.name}: non-finite values in output {name!r}")
+        if engine is not self.fallback and (name := _non_finite(outputs)) is not None:
+            raise NonFiniteOutput(f"{engine.name}: non-finite values in output {name!r}")
         return outputs
 
     # -- running ---------------------------------------------------------------------------
@@ -328,7 +334,7 @@ class EnginePool:
         its range (`_fail_over`), if the fallback scores it finitely.
         """
         probe = _take(sample_inputs, slice(0, 1))
-        if all(np.isfinite(v).all() for v in self.fallback.infer(probe).values()):
+        if _non_finite(self.fallback.infer(probe)) is None:
             self._probe = probe
         seconds: dict[str, dict[int, float]] = {}
         for engine in self.in_service:
