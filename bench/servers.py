@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.oip import wait_model_ready
@@ -113,17 +114,15 @@ class ServerProcess:
         """User plus system CPU time of every live process in the server's process group."""
         if self._process is None:
             return math.nan
-        group, total_ticks = self._process.pid, 0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        group, total = self._process.pid, 0.0
+        for process in psutil.process_iter():
             try:
-                text = stat.read_text()
-            except OSError:
+                if os.getpgid(process.pid) == group:
+                    times = process.cpu_times()
+                    total += times.user + times.system
+            except (ProcessLookupError, psutil.Error):
                 continue  # exited while we looked
-            # Fields after the parenthesised command: state ppid pgrp ... utime(14) stime(15).
-            fields = text[text.rindex(")") + 2 :].split()
-            if int(fields[2]) == group:
-                total_ticks += int(fields[11]) + int(fields[12])
-        return total_ticks / os.sysconf("SC_CLK_TCK")
+        return total
 
     def stop(self, grace_s: float = 15.0) -> None:
         process, self._process = self._process, None

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import shutil
 import signal
 import sys
@@ -38,6 +37,7 @@ from typing import NamedTuple
 import grpc
 import numpy as np
 import onnx
+import psutil
 from onnx import TensorProto, helper, numpy_helper
 
 from bench.results import floats
@@ -209,36 +209,30 @@ def _drops(metrics_port: int) -> int:
     return int(metric_sum(scrape_metrics(metrics_port), "riskserve_shadow_drops_total"))
 
 
-def _worker_pids() -> list[int]:
+def _workers() -> list[psutil.Process]:
     """The running shadow worker processes (they are not in the server's process group)."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            if b"service.shadow.worker" in cmdline.read_bytes():
-                pids.append(int(cmdline.parent.name))
-        except OSError:
-            continue
-    return pids
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if "service.shadow.worker" in (process.info["cmdline"] or ()):
+            found.append(process)
+    return found
 
 
 def _worker_cpu_s() -> float:
-    """CPU seconds of the running shadow worker processes."""
-    total = 0
-    for pid in _worker_pids():
-        try:
-            text = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    """CPU seconds (user and system) of the running shadow worker processes."""
+    total = 0.0
+    for process in _workers():
+        with contextlib.suppress(psutil.Error):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _signal_workers(signum: int) -> int:
     sent = 0
-    for pid in _worker_pids():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+    for process in _workers():
+        with contextlib.suppress(psutil.Error):
+            process.send_signal(signum)
             sent += 1
     return sent
 
