@@ -48,7 +48,8 @@ __all__ = ["main"]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 WORK_DIR = REPO_ROOT / "bench" / ".peers" / "work"
 RISKSERVE_BIN = REPO_ROOT / ".venv" / "bin" / "riskserve"
-ALL_SERVERS = ("riskserve", "riskserve-nobatch", "triton", "mlserver")
+PEERS = ("triton", "mlserver")
+ALL_SERVERS = ("riskserve", "riskserve-nobatch", *PEERS)
 
 
 @dataclass(frozen=True)
@@ -299,29 +300,30 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             f"{_fmt3(row['server_cpu_ms_per_req_at_common_rate']):>24}"
         )
     ratios = {}
-    for ours in ("riskserve", "riskserve-nobatch"):
-        for peer in ("triton", "mlserver"):
-            if ours not in rows or peer not in rows:
-                continue
-            a, b = rows[ours], rows[peer]
-            rate_ratio = (
-                a["max_rate_under_budget_rps"] / b["max_rate_under_budget_rps"]
-                if a["max_rate_under_budget_rps"] and b["max_rate_under_budget_rps"]
-                else None
-            )
-            p99_ratio = (
-                a["p99_ms_at_common_rate"] / b["p99_ms_at_common_rate"]
-                if math.isfinite(a["p99_ms_at_common_rate"] or math.nan)
-                and math.isfinite(b["p99_ms_at_common_rate"] or math.nan)
-                else None
-            )
-            ratios[f"{ours}/{peer}"] = {
-                "max_rate_under_budget": rate_ratio,
-                "p99_at_common_rate": p99_ratio,
-            }
+    # riskserve against each peer, and batching on against off (riskserve / riskserve-nobatch).
+    pairs = [(ours, peer) for ours in ("riskserve", "riskserve-nobatch") for peer in PEERS]
+    for ours, peer in [*pairs, ("riskserve", "riskserve-nobatch")]:
+        if ours not in rows or peer not in rows:
+            continue
+        a, b = rows[ours], rows[peer]
+        rate_ratio = (
+            a["max_rate_under_budget_rps"] / b["max_rate_under_budget_rps"]
+            if a["max_rate_under_budget_rps"] and b["max_rate_under_budget_rps"]
+            else None
+        )
+        p99_ratio = (
+            a["p99_ms_at_common_rate"] / b["p99_ms_at_common_rate"]
+            if math.isfinite(a["p99_ms_at_common_rate"] or math.nan)
+            and math.isfinite(b["p99_ms_at_common_rate"] or math.nan)
+            else None
+        )
+        ratios[f"{ours}/{peer}"] = {
+            "max_rate_under_budget": rate_ratio,
+            "p99_at_common_rate": p99_ratio,
+        }
     if ratios:
         print()
-        print("ratios riskserve / peer (max rate: higher is better; p99: lower is better)")
+        print("ratios (max rate: higher is better; p99: lower is better)")
         for key, value in ratios.items():
             rate = (
                 f"{value['max_rate_under_budget']:.2f}x"
@@ -331,7 +333,7 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             p99 = f"{value['p99_at_common_rate']:.2f}x" if value["p99_at_common_rate"] else "n/a"
             print(f"  {key:<28} max rate {rate:>7}   p99 at common rate {p99:>7}")
     else:
-        print("\nno riskserve / peer ratios: riskserve or every peer is missing from this run")
+        print("\nno ratios: this run lacks riskserve, or every server to compare it with")
     return {"common_rate_rps": common, "servers": rows, "ratios": ratios}
 
 
