@@ -34,6 +34,7 @@ from pathlib import Path
 from bench.compare import RESULTS_DIR, riskserve_knobs, server_spec
 from bench.model_io import resolve_model_path
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
+from bench.results import floats
 from bench.rpc_floor import echo_spec
 from bench.servers import ServerProcess, free_port, scrape_metrics
 from service.telemetry.stats import stats_from_scrapes
@@ -131,7 +132,12 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="200,400,600,800,1000", help="req/s, comma-separated")
+    parser.add_argument(
+        "--rates",
+        type=floats,
+        default=[200.0, 400.0, 600.0, 800.0, 1000.0],
+        help="req/s, comma-separated",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="fresh servers, one after another")
     parser.add_argument("--window-s", type=float, default=2.0, help="perf_analyzer window")
     parser.add_argument(
@@ -147,7 +153,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=RESULTS_DIR / "latency_split.json")
     args = parser.parse_args(argv)
-    args.rates = [float(r) for r in args.rates.split(",")]
     args.env = dict(args.env)
 
     print(_HEADER)
