@@ -7,7 +7,10 @@ as JSON under bench/results/, and draw latency against achieved throughput as a 
 
 Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH_SIZE=1),
 ``triton``, ``mlserver``; also, on request, ``riskserve-notrace`` (RISKSERVE_TRACING=false)
-and ``riskserve-2proc`` (two server processes on one port). Clients: ``loadgen`` (Python,
+and ``riskserve-2proc`` (two server processes on one port), and ``grpc-floor``: a grpc.aio
+server that answers ModelInfer with zeros and does no other work (bench.rpc_floor), the most
+any Python gRPC server can reach on the machine, so a run shows how much of a peer's lead lies
+in the RPC layer alone. Clients: ``loadgen`` (Python,
 open-loop Poisson and closed loop) or ``perf_analyzer`` (C++, lower CPU; MLServer lacks the
 ModelConfig call it needs, so MLServer falls back to loadgen and its rows say so). The client
 shares the cores with the server.
@@ -41,6 +44,7 @@ from bench.model_io import (
 from bench.peers.mlserver.launch import MLServerConfig, mlserver_spec
 from bench.peers.triton import TritonConfig, triton_spec
 from bench.results import PointResult, best_rate_under_budget, floats
+from bench.rpc_floor import echo_spec
 from bench.servers import ServerProcess, ServerSpec, free_port
 
 __all__ = ["main"]
@@ -49,6 +53,7 @@ RESULTS_DIR = REPO_ROOT / "bench" / "results"
 WORK_DIR = REPO_ROOT / "bench" / ".peers" / "work"
 RISKSERVE_BIN = REPO_ROOT / ".venv" / "bin" / "riskserve"
 PEERS = ("triton", "mlserver")
+FLOOR = "grpc-floor"
 ALL_SERVERS = ("riskserve", "riskserve-nobatch", *PEERS)
 
 
@@ -131,6 +136,8 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
             intra_op_num_threads=knobs.intra_op_threads,
         )
         return triton_spec(onnx_path, WORK_DIR / "triton", config, free_port())
+    if name == FLOOR:
+        return replace(echo_spec(free_port()), name=FLOOR)
     if name == "mlserver":
         config = MLServerConfig(
             max_batch_size=knobs.max_batch_size,
@@ -138,7 +145,7 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
             intra_op_num_threads=knobs.intra_op_threads,
         )
         return mlserver_spec(onnx_path, WORK_DIR / "mlserver", config, free_port())
-    raise ValueError(f"unknown server {name!r}; known: {', '.join(ALL_SERVERS)}")
+    raise ValueError(f"unknown server {name!r}; known: {', '.join((*ALL_SERVERS, FLOOR))}")
 
 
 def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs) -> dict:
@@ -300,9 +307,10 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             f"{_fmt3(row['server_cpu_ms_per_req_at_common_rate']):>24}"
         )
     ratios = {}
-    # riskserve against each peer, and batching on against off (riskserve / riskserve-nobatch).
-    pairs = [(ours, peer) for ours in ("riskserve", "riskserve-nobatch") for peer in PEERS]
-    for ours, peer in [*pairs, ("riskserve", "riskserve-nobatch")]:
+    # riskserve against each peer, batching on against off (riskserve / riskserve-nobatch), and
+    # the do-nothing gRPC server against riskserve and the peers.
+    pairs = [(ours, peer) for ours in ("riskserve", "riskserve-nobatch", FLOOR) for peer in PEERS]
+    for ours, peer in [*pairs, ("riskserve", "riskserve-nobatch"), ("riskserve", FLOOR)]:
         if ours not in rows or peer not in rows:
             continue
         a, b = rows[ours], rows[peer]
@@ -469,7 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         records.append(_run_one(name, args, onnx_path, knobs))
         time.sleep(1.0)
     summary = summarize(records, args)
-    scores = {r["server"]: r["warmup_score"] for r in records if "warmup_score" in r}
+    # The floor answers zeros by design: only servers that run the model are compared.
+    scores = {
+        r["server"]: r["warmup_score"]
+        for r in records
+        if "warmup_score" in r and r["server"] != FLOOR
+    }
     if scores and max(scores.values()) - min(scores.values()) > 1e-3:
         print(f"WARNING: the servers scored the same request differently: {scores}")
     out = {
