@@ -6,14 +6,13 @@ the budget (with at most the allowed error rate) and of p99 at a common rate, wr
 as JSON under bench/results/, and draw latency against achieved throughput as a PNG.
 
 Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH_SIZE=1),
-``triton``, ``mlserver``; also, on request, ``riskserve-notrace`` (RISKSERVE_TRACING=false)
-and ``riskserve-2proc`` (two server processes on one port), and ``grpc-floor``: a grpc.aio
-server that answers ModelInfer with zeros and does no other work (bench.rpc_floor), the most
-any Python gRPC server can reach on the machine, so a run shows how much of a peer's lead lies
-in the RPC layer alone. Clients: ``loadgen`` (Python,
-open-loop Poisson and closed loop) or ``perf_analyzer`` (C++, lower CPU; MLServer lacks the
-ModelConfig call it needs, so MLServer falls back to loadgen and its rows say so). The client
-shares the cores with the server.
+``triton``, ``mlserver``; also, on request, ``riskserve-notrace`` (RISKSERVE_TRACING=false),
+``riskserve-2proc`` (two server processes on one port) and ``grpc-floor``: one grpc.aio server
+process that answers ModelInfer with zeros and does no other work (bench.rpc_floor), so a run
+shows how much of a peer's lead a Python gRPC server gives away before it does any work.
+Clients: ``loadgen`` (Python, open-loop Poisson and closed loop) or ``perf_analyzer`` (C++,
+lower CPU; MLServer lacks the ModelConfig call it needs, so MLServer falls back to loadgen and
+its rows say so). The client shares the cores with the server.
 
     .venv/bin/python -m bench.compare --servers triton,mlserver --rates 250,500,1000,1500 \
         --duration-s 5
