@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
-from service.shadow import read_records
+from service.shadow import NoRecords, read_records
 
 
 def request(i: int) -> pb.ScoreRequest:
@@ -163,9 +163,11 @@ def live_shadow_server(models, config, logs, **settings) -> LiveServer:
 
 
 def challenger_ids(logs) -> list[str]:
-    if not logs.exists():
+    # The log creates its folder before its first file lands: until then there is nothing.
+    try:
+        table = read_records(str(logs)).select(["request_id", "served"]).to_pylist()
+    except NoRecords:
         return []
-    table = read_records(str(logs)).select(["request_id", "served"]).to_pylist()
     return [r["request_id"] for r in table if not r["served"]]
 
 
