@@ -12,21 +12,35 @@
    server CPU per request, medians over the rounds, and the median of the per-round on-off
    differences. `--control` adds a pair of two tracing-off servers: the differences the
    machine makes by itself, to read the on-off differences against.
+3. Paired requests (`--paired-s`): one open-loop Poisson schedule at `--rate-rps`, and at each
+   of its instants one request to every server (on, off, and with --control off-2), in a fresh
+   random order, so each request meets the same moment of the machine as its partners. Every
+   latency is kept; the p50/p99 of all of a server's requests over the whole run, their
+   differences, and a 95 % interval for each difference from a block bootstrap (blocks of
+   `--block-s` seconds, resampled alike for every server, so slow stretches of the machine stay
+   shared). The run is split into `--legs` legs, each with fresh server processes started in
+   a fresh order, and the bootstrap draws legs before blocks, because two equal servers can
+   differ for the whole of their lives. Server CPU per request over the run besides.
 
     .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
+    .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 600 --control
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import math
+import random
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
+import numpy as np
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
@@ -35,13 +49,16 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
 
 from bench.compare import RESULTS_DIR, riskserve_knobs, server_spec
-from bench.model_io import resolve_model_path
+from bench.loadgen import EARLY_WAKE_S, START_MARGIN_S, poisson_offsets
+from bench.model_io import make_request_arrays, read_model_io, resolve_model_path
+from bench.oip import MODEL_INFER_METHOD, build_infer_request
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.results import PointResult
 from bench.servers import ServerProcess
 from service.telemetry import RequestTrace, TailSamplingPolicy, Tracing
 
 BATCH_REQUESTS = 8
+SERVER_KINDS = {"on": "riskserve", "off": "riskserve-notrace", "off-2": "riskserve-notrace"}
 
 
 class DiscardingExporter(SpanExporter):
@@ -148,16 +165,16 @@ def end_to_end(args: argparse.Namespace) -> Runs:
     difference the machine alone makes. Pairs take turns round after round.
     """
     onnx_path = resolve_model_path(None)
-    knobs = riskserve_knobs(args.riskserve_budget_ms)
-    kinds = {"on": "riskserve", "off": "riskserve-notrace", "off-2": "riskserve-notrace"}
     pairs = [("on", "off")] + ([("off-2", "off")] if args.control else [])
     results: Runs = {}
     with contextlib.ExitStack() as stack:
+        servers = _start_servers(
+            stack,
+            [name for name in SERVER_KINDS if any(name in pair for pair in pairs)],
+            args.riskserve_budget_ms,
+        )
         runners: dict[str, tuple[PerfAnalyzer, ServerProcess]] = {}
-        for label in {name for pair in pairs for name in pair}:
-            spec = server_spec(kinds[label], onnx_path, knobs)
-            log_path = RESULTS_DIR / "logs" / f"tracing-overhead-{label}.log"
-            server = stack.enter_context(ServerProcess(spec, log_path))
+        for label, server in servers.items():
             plan = PerfPlan(target=server.target, window_s=args.window_s, windows=3)
             analyzer = stack.enter_context(PerfAnalyzer(plan, onnx_path, server_label=label))
             analyzer.run_point("concurrency", 4)  # warm-up
@@ -179,6 +196,19 @@ def end_to_end(args: argparse.Namespace) -> Runs:
                         flush=True,
                     )
     return results
+
+
+def _start_servers(
+    stack: contextlib.ExitStack, labels: Sequence[str], budget_ms: float
+) -> dict[str, ServerProcess]:
+    onnx_path = resolve_model_path(None)
+    knobs = riskserve_knobs(budget_ms)
+    servers = {}
+    for label in labels:
+        spec = server_spec(SERVER_KINDS[label], onnx_path, knobs)
+        log_path = RESULTS_DIR / "logs" / f"tracing-overhead-{label}.log"
+        servers[label] = stack.enter_context(ServerProcess(spec, log_path))
+    return servers
 
 
 def _cpu_ms(point: PointResult, cpu_s: float) -> float:
@@ -222,6 +252,174 @@ def _summary(results: Runs, mode: str, load: float, a: str, b: str) -> str:
     )
 
 
+async def _paired_loop(
+    targets: dict[str, str], payload: bytes, offsets_s: Sequence[float], timeout_s: float, seed: int
+) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
+    """At each offset one request to every target, in a fresh random order; every latency kept.
+
+    A request is timed from its own send (not the schedule): the comparison is between
+    partners sent within microseconds of each other. A failed request counts as infinitely slow.
+    """
+    shuffle = random.Random(seed).shuffle
+    labels = list(targets)
+    latencies = {label: np.full(len(offsets_s), np.inf) for label in labels}
+    codes: dict[str, list[str]] = {label: [] for label in labels}
+    channels = {label: grpc.aio.insecure_channel(target) for label, target in targets.items()}
+    try:
+        # No serializers: the request goes as pre-built bytes, the reply stays undecoded.
+        calls = {label: ch.unary_unary(MODEL_INFER_METHOD) for label, ch in channels.items()}
+        for channel in channels.values():
+            await channel.channel_ready()
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + START_MARGIN_S
+        in_flight: set[asyncio.Task] = set()
+
+        async def one(label: str, i: int) -> None:
+            sent = loop.time()
+            try:
+                await calls[label](payload, timeout=timeout_s)
+                latencies[label][i] = loop.time() - sent
+            except grpc.aio.AioRpcError as exc:
+                codes[label].append(exc.code().name)
+
+        for i, offset in enumerate(offsets_s):
+            delay = t0 + offset - loop.time() - EARLY_WAKE_S
+            if delay > 0:
+                await asyncio.sleep(delay)
+            order = labels[:]
+            shuffle(order)
+            for label in order:  # tasks start in the order they were made
+                task = asyncio.create_task(one(label, i))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+        if in_flight:
+            await asyncio.wait(in_flight)
+    finally:
+        for channel in channels.values():
+            await channel.close()
+    return latencies, codes
+
+
+def _quantile_ms(latencies_s: np.ndarray, q: float) -> float:
+    # A sample's own value (no interpolation), so a failed request's inf stays meaningful.
+    return float(np.percentile(latencies_s, q, method="inverted_cdf")) * 1e3
+
+
+def block_bootstrap(
+    legs: np.ndarray,
+    offsets_s: np.ndarray,
+    a: np.ndarray,
+    b: np.ndarray,
+    q: float,
+    block_s: float,
+    resamples: int,
+    seed: int = 7,
+) -> tuple[float, float, float]:
+    """The q-th percentile of `a` minus that of `b` (ms), and its 95 % bootstrap interval.
+
+    `a[i]` and `b[i]` were sent at `offsets_s[i]` of leg `legs[i]` (each leg its own server
+    processes). Two levels: each resample draws as many legs as there are, with replacement,
+    then within each drawn leg as many blocks of `block_s` seconds as it has, and takes the same
+    requests from both sides, so the machine's slow stretches (which last seconds) stay paired
+    and the differences between one set of server processes and the next count as well.
+    """
+    blocks = (offsets_s // block_s).astype(np.int64)
+    members = [
+        [
+            np.flatnonzero((legs == leg) & (blocks == block))
+            for block in np.unique(blocks[legs == leg])
+        ]
+        for leg in np.unique(legs)
+    ]
+    rng = np.random.default_rng(seed)
+    diffs = np.empty(resamples)
+    for r in range(resamples):
+        parts: list[np.ndarray] = []
+        for leg in rng.integers(0, len(members), len(members)):
+            parts.extend(
+                members[leg][k] for k in rng.integers(0, len(members[leg]), len(members[leg]))
+            )
+        index = np.concatenate(parts)
+        diffs[r] = _quantile_ms(a[index], q) - _quantile_ms(b[index], q)
+    low, high = np.percentile(diffs, [2.5, 97.5])
+    return _quantile_ms(a, q) - _quantile_ms(b, q), float(low), float(high)
+
+
+def paired(args: argparse.Namespace) -> None:
+    """Tracing on and off (and, with --control, a second off) sent the same requests at once,
+    in `--legs` legs, each with server processes of its own, started in a fresh order."""
+    onnx_path = resolve_model_path(None)
+    io = read_model_io(onnx_path)
+    payload = build_infer_request(
+        "fraud-demo", make_request_arrays(io, 32, seed=1), io.output
+    ).SerializeToString()
+    labels = ["on", "off"] + (["off-2"] if args.control else [])
+    warm_up = poisson_offsets(args.rate, 5.0, 10_000, seed=12)
+    timeout_s = args.riskserve_budget_ms / 1e3
+    leg_s = args.paired_s / args.legs
+    legs, offsets = [], []
+    latencies: dict[str, list[np.ndarray]] = {label: [] for label in labels}
+    codes: dict[str, list[str]] = {label: [] for label in labels}
+    cpu = dict.fromkeys(labels, 0.0)
+    took = 0.0
+    for leg in range(args.legs):
+        leg_offsets = poisson_offsets(args.rate, leg_s, 10_000_000, seed=11 + leg)
+        order = random.Random(leg).sample(labels, len(labels))
+        with contextlib.ExitStack() as stack:
+            servers = _start_servers(stack, order, args.riskserve_budget_ms)
+            targets = {label: servers[label].target for label in labels}
+            asyncio.run(_paired_loop(targets, payload, warm_up.tolist(), timeout_s, seed=3))
+            cpu_before = {label: server.cpu_seconds() for label, server in servers.items()}
+            started = time.monotonic()
+            leg_latencies, leg_codes = asyncio.run(
+                _paired_loop(targets, payload, leg_offsets.tolist(), timeout_s, seed=4 + leg)
+            )
+            took += time.monotonic() - started
+            for label, server in servers.items():
+                cpu[label] += server.cpu_seconds() - cpu_before[label]
+        legs.append(np.full(len(leg_offsets), leg))
+        offsets.append(leg_offsets)
+        for label in labels:
+            latencies[label].append(leg_latencies[label])
+            codes[label].extend(leg_codes[label])
+        p99 = {label: _quantile_ms(leg_latencies[label], 99) for label in labels}
+        print(
+            f"   leg {leg + 1} (started {', '.join(order)}): p99 "
+            + "  ".join(f"{label} {value:.3f}" for label, value in p99.items())
+            + " ms; "
+            + "  ".join(f"{a} - off {p99[a] - p99['off']:+.3f}" for a in labels if a != "off")
+            + " ms",
+            flush=True,
+        )
+    all_legs, all_offsets = np.concatenate(legs), np.concatenate(offsets)
+    pooled = {label: np.concatenate(parts) for label, parts in latencies.items()}
+    print(
+        f"   {len(all_offsets)} instants in {args.legs} legs, {took:.0f} s in all "
+        f"({len(all_offsets) / took:.1f} req/s to each server); pooled over the legs, failed "
+        f"requests counted as infinitely slow"
+    )
+    for label in labels:
+        lat = pooled[label]
+        failed = ", ".join(f"{c} {codes[label].count(c)}" for c in sorted(set(codes[label])))
+        print(
+            f"   {label:6} p50 {_quantile_ms(lat, 50):6.3f} ms  p99 {_quantile_ms(lat, 99):6.3f} "
+            f"ms  p99.9 {_quantile_ms(lat, 99.9):6.3f} ms  server CPU "
+            f"{cpu[label] / len(lat) * 1e3:.3f} ms/req  failed: {failed or 'none'}"
+        )
+    for a in labels:
+        if a == "off":
+            continue
+        for q in (50, 99):
+            diff, low, high = block_bootstrap(
+                all_legs, all_offsets, pooled[a], pooled["off"], q, args.block_s, args.resamples
+            )
+            print(
+                f"   {a} - off, p{q}: {diff:+.3f} ms, 95 % interval {low:+.3f} to {high:+.3f} ms "
+                f"({args.resamples} resamples of legs, then of {args.block_s:g} s blocks)"
+            )
+        print(f"   {a} - off, server CPU per request: {_pct(math.log(cpu[a] / cpu['off']))}")
+
+
 def _pct(log_ratio: float) -> str:
     return f"{(math.exp(log_ratio) - 1) * 100:+.1f} %"
 
@@ -239,6 +437,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--control", action="store_true", help="also pair two tracing-off servers (noise floor)"
     )
     parser.add_argument("--window-s", type=float, default=2.0)
+    parser.add_argument(
+        "--paired-s", type=float, default=0.0, help="paired requests for this long (0: skip)"
+    )
+    parser.add_argument("--legs", type=int, default=6, help="fresh server processes per leg")
+    parser.add_argument("--block-s", type=float, default=5.0, help="bootstrap block length")
+    parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
     args = parser.parse_args(argv)
 
@@ -246,15 +450,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     costs = recording(args.requests, args.repeats)
     for name, seconds in costs.items():
         print(f"   {name:42} {seconds * 1e6:6.2f} µs")
-    if args.rounds <= 0:
-        return 0
-    print("2. live servers driven at once, tracing on against off (perf_analyzer, same cores)")
-    results = end_to_end(args)
-
-    for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
-        print(_summary(results, mode, load, "on", "off"))
-        if args.control:
-            print(_summary(results, mode, load, "off-2", "off"))
+    if args.rounds > 0:
+        print("2. live servers driven at once, tracing on against off (perf_analyzer, same cores)")
+        results = end_to_end(args)
+        for mode, load in (("concurrency", args.concurrency), ("rate", args.rate)):
+            print(_summary(results, mode, load, "on", "off"))
+            if args.control:
+                print(_summary(results, mode, load, "off-2", "off"))
+    if args.paired_s > 0:
+        print(f"3. paired requests at {args.rate:g} req/s to each server, tracing on against off")
+        paired(args)
     return 0
 
 
