@@ -23,7 +23,7 @@
    differ for the whole of their lives. Server CPU per request over the run besides.
 
     .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
-    .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 600 --control
+    .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 840 --legs 6 --control
 """
 
 from __future__ import annotations
@@ -440,7 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--paired-s", type=float, default=0.0, help="paired requests for this long (0: skip)"
     )
-    parser.add_argument("--legs", type=int, default=6, help="fresh server processes per leg")
+    parser.add_argument(
+        "--legs", type=int, default=6, help="parts of --paired-s, each with fresh servers"
+    )
     parser.add_argument("--block-s", type=float, default=5.0, help="bootstrap block length")
     parser.add_argument("--resamples", type=int, default=2000)
     parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
