@@ -21,9 +21,15 @@
    shared). The run is split into `--legs` legs, each with fresh server processes started in
    a fresh order, and the bootstrap draws legs before blocks, because two equal servers can
    differ for the whole of their lives. Server CPU per request over the run besides.
+4. Servers taking turns (`--turns-s`): the same schedule, legs and bootstrap, but each slot of
+   `--slot-s` seconds goes to one server alone, slots in rounds of one a server in a fresh
+   random order, a round being a bootstrap block. Part 3 keeps every server busy at once, so on
+   a machine with few cores their contention makes the tail; here each server meets the load
+   `--rate-rps` with the machine to itself, as a deployed one would, and pairing is by round.
 
     .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
     .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 840 --legs 6 --control
+    .venv/bin/python -m bench.tracing_overhead --rounds 0 --turns-s 840 --legs 6 --control
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
 
 from bench.compare import RESULTS_DIR, riskserve_knobs, server_spec
-from bench.loadgen import EARLY_WAKE_S, START_MARGIN_S, poisson_offsets
+from bench.loadgen import EARLY_WAKE_S, START_MARGIN_S, LoadPlan, poisson_offsets
 from bench.model_io import make_request_arrays, read_model_io, resolve_model_path
 from bench.oip import MODEL_INFER_METHOD, build_infer_request
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
@@ -252,18 +258,24 @@ def _summary(results: Runs, mode: str, load: float, a: str, b: str) -> str:
     )
 
 
-async def _paired_loop(
-    targets: dict[str, str], payload: bytes, offsets_s: Sequence[float], timeout_s: float, seed: int
+async def _request_loop(
+    targets: dict[str, str],
+    payload: bytes,
+    offsets_s: Sequence[float],
+    sends: Sequence[Sequence[str]],
+    timeout_s: float,
+    seed: int,
 ) -> tuple[dict[str, np.ndarray], dict[str, list[str]]]:
-    """At each offset one request to every target, in a fresh random order; every latency kept.
+    """At each offset `i` one request to every target of `sends[i]`, in a fresh random order.
 
-    A request is timed from its own send (not the schedule): the comparison is between
-    partners sent within microseconds of each other. A failed request counts as infinitely slow.
+    Every latency is kept, indexed by instant: NaN where a target was sent nothing, inf where
+    its request failed (so it counts as infinitely slow). A request is timed from its own send,
+    not from its instant in the schedule: partners at one instant go out microseconds apart,
+    and a late wake-up of this client is not counted against the server.
     """
     shuffle = random.Random(seed).shuffle
-    labels = list(targets)
-    latencies = {label: np.full(len(offsets_s), np.inf) for label in labels}
-    codes: dict[str, list[str]] = {label: [] for label in labels}
+    latencies = {label: np.full(len(offsets_s), np.nan) for label in targets}
+    codes: dict[str, list[str]] = {label: [] for label in targets}
     channels = {label: grpc.aio.insecure_channel(target) for label, target in targets.items()}
     try:
         # No serializers: the request goes as pre-built bytes, the reply stays undecoded.
@@ -280,13 +292,14 @@ async def _paired_loop(
                 await calls[label](payload, timeout=timeout_s)
                 latencies[label][i] = loop.time() - sent
             except grpc.aio.AioRpcError as exc:
+                latencies[label][i] = np.inf
                 codes[label].append(exc.code().name)
 
         for i, offset in enumerate(offsets_s):
             delay = t0 + offset - loop.time() - EARLY_WAKE_S
             if delay > 0:
                 await asyncio.sleep(delay)
-            order = labels[:]
+            order = list(sends[i])
             shuffle(order)
             for label in order:  # tasks start in the order they were made
                 task = asyncio.create_task(one(label, i))
@@ -301,29 +314,32 @@ async def _paired_loop(
 
 
 def _quantile_ms(latencies_s: np.ndarray, q: float) -> float:
-    # A sample's own value (no interpolation), so a failed request's inf stays meaningful.
-    return float(np.percentile(latencies_s, q, method="inverted_cdf")) * 1e3
+    """The q-th percentile of the requests sent (NaN: none sent at that instant), in ms.
+
+    A sample's own value (no interpolation), so a failed request's inf stays meaningful.
+    """
+    sent = latencies_s[~np.isnan(latencies_s)]
+    return float(np.percentile(sent, q, method="inverted_cdf")) * 1e3
 
 
 def block_bootstrap(
     legs: np.ndarray,
-    offsets_s: np.ndarray,
+    blocks: np.ndarray,
     a: np.ndarray,
     b: np.ndarray,
     q: float,
-    block_s: float,
     resamples: int,
     seed: int = 7,
 ) -> tuple[float, float, float]:
     """The q-th percentile of `a` minus that of `b` (ms), and its 95 % bootstrap interval.
 
-    `a[i]` and `b[i]` were sent at `offsets_s[i]` of leg `legs[i]` (each leg its own server
-    processes). Two levels: each resample draws as many legs as there are, with replacement,
-    then within each drawn leg as many blocks of `block_s` seconds as it has, and takes the same
-    requests from both sides, so the machine's slow stretches (which last seconds) stay paired
-    and the differences between one set of server processes and the next count as well.
+    `a[i]` and `b[i]` belong to instant `i`, in block `blocks[i]` of leg `legs[i]` (each leg
+    its own server processes); NaN where that side was sent nothing. Two levels: each resample
+    draws as many legs as there are, with replacement, then within each drawn leg as many of
+    its blocks as it has, and takes the same instants from both sides, so the machine's slow
+    stretches (which last seconds) stay paired and the differences between one set of server
+    processes and the next count as well.
     """
-    blocks = (offsets_s // block_s).astype(np.int64)
     members = [
         [
             np.flatnonzero((legs == leg) & (blocks == block))
@@ -341,44 +357,81 @@ def block_bootstrap(
             )
         index = np.concatenate(parts)
         diffs[r] = _quantile_ms(a[index], q) - _quantile_ms(b[index], q)
-    low, high = np.percentile(diffs, [2.5, 97.5])
+    low, high = np.percentile(diffs, [2.5, 97.5], method="inverted_cdf")
     return _quantile_ms(a, q) - _quantile_ms(b, q), float(low), float(high)
 
 
-def paired(args: argparse.Namespace) -> None:
-    """Tracing on and off (and, with --control, a second off) sent the same requests at once,
-    in `--legs` legs, each with server processes of its own, started in a fresh order."""
+Schedule = Callable[[int, np.ndarray], tuple[list[list[str]], np.ndarray]]
+
+
+def _every_server(labels: list[str], block_s: float) -> Schedule:
+    """Part 3: every instant goes to every server; bootstrap blocks of `block_s` seconds."""
+
+    def schedule(leg: int, offsets: np.ndarray) -> tuple[list[list[str]], np.ndarray]:
+        return [labels] * len(offsets), (offsets // block_s).astype(np.int64)
+
+    return schedule
+
+
+def _taking_turns(labels: list[str], slot_s: float) -> Schedule:
+    """Part 4: each slot of `slot_s` seconds goes to one server alone. Slots come in rounds of
+    one slot a server, in a fresh random order each round; a round is a bootstrap block."""
+
+    def schedule(leg: int, offsets: np.ndarray) -> tuple[list[list[str]], np.ndarray]:
+        slots = (offsets // slot_s).astype(np.int64)
+        rounds = slots // len(labels)
+        rng = random.Random(1000 + leg)
+        orders = [rng.sample(labels, len(labels)) for _ in range(int(rounds.max(initial=0)) + 1)]
+        sends = [[orders[r][s % len(labels)]] for r, s in zip(rounds, slots, strict=True)]
+        return sends, rounds
+
+    return schedule
+
+
+def in_legs(
+    args: argparse.Namespace, total_s: float, schedule_for: Callable[[list[str]], Schedule]
+) -> None:
+    """Tracing on and off (and, with --control, a second off) driven by one Poisson schedule
+    at `--rate-rps` in `--legs` legs, each with server processes of its own, started in a fresh
+    order; `schedule_for` says which servers each instant goes to, and the bootstrap blocks."""
     onnx_path = resolve_model_path(None)
     io = read_model_io(onnx_path)
-    payload = build_infer_request(
-        "fraud-demo", make_request_arrays(io, 32, seed=1), io.output
-    ).SerializeToString()
+    plan = LoadPlan(target="")  # the load generator's request: its model, history and seed
+    arrays = make_request_arrays(io, plan.history_len, seed=plan.seed)
+    payload = build_infer_request(plan.model_name, arrays, io.output).SerializeToString()
     labels = ["on", "off"] + (["off-2"] if args.control else [])
+    schedule = schedule_for(labels)
     warm_up = poisson_offsets(args.rate, 5.0, 10_000, seed=12)
     timeout_s = args.riskserve_budget_ms / 1e3
-    leg_s = args.paired_s / args.legs
-    legs, offsets = [], []
+    leg_s = total_s / args.legs
+    legs, blocks = [], []
     latencies: dict[str, list[np.ndarray]] = {label: [] for label in labels}
     codes: dict[str, list[str]] = {label: [] for label in labels}
     cpu = dict.fromkeys(labels, 0.0)
     took = 0.0
     for leg in range(args.legs):
-        leg_offsets = poisson_offsets(args.rate, leg_s, 10_000_000, seed=11 + leg)
-        order = random.Random(leg).sample(labels, len(labels))
+        key = args.seed * 1000 + leg  # each leg's own draws, and another run's with --seed
+        leg_offsets = poisson_offsets(args.rate, leg_s, 10_000_000, seed=11 + key)
+        sends, leg_blocks = schedule(key, leg_offsets)
+        order = random.Random(key).sample(labels, len(labels))
         with contextlib.ExitStack() as stack:
             servers = _start_servers(stack, order, args.riskserve_budget_ms)
             targets = {label: servers[label].target for label in labels}
-            asyncio.run(_paired_loop(targets, payload, warm_up.tolist(), timeout_s, seed=3))
+            asyncio.run(
+                _request_loop(
+                    targets, payload, warm_up.tolist(), [labels] * len(warm_up), timeout_s, 3
+                )
+            )
             cpu_before = {label: server.cpu_seconds() for label, server in servers.items()}
             started = time.monotonic()
             leg_latencies, leg_codes = asyncio.run(
-                _paired_loop(targets, payload, leg_offsets.tolist(), timeout_s, seed=4 + leg)
+                _request_loop(targets, payload, leg_offsets.tolist(), sends, timeout_s, 4 + key)
             )
             took += time.monotonic() - started
             for label, server in servers.items():
                 cpu[label] += server.cpu_seconds() - cpu_before[label]
         legs.append(np.full(len(leg_offsets), leg))
-        offsets.append(leg_offsets)
+        blocks.append(leg_blocks)
         for label in labels:
             latencies[label].append(leg_latencies[label])
             codes[label].extend(leg_codes[label])
@@ -391,33 +444,35 @@ def paired(args: argparse.Namespace) -> None:
             + " ms",
             flush=True,
         )
-    all_legs, all_offsets = np.concatenate(legs), np.concatenate(offsets)
+    all_legs, all_blocks = np.concatenate(legs), np.concatenate(blocks)
     pooled = {label: np.concatenate(parts) for label, parts in latencies.items()}
+    sent = {label: int(np.count_nonzero(~np.isnan(lat))) for label, lat in pooled.items()}
     print(
-        f"   {len(all_offsets)} instants in {args.legs} legs, {took:.0f} s in all "
-        f"({len(all_offsets) / took:.1f} req/s to each server); pooled over the legs, failed "
-        f"requests counted as infinitely slow"
+        f"   {len(all_legs)} instants in {args.legs} legs, {took:.0f} s in all "
+        f"({len(all_legs) / took:.1f} instants/s); pooled over the legs, failed requests "
+        f"counted as infinitely slow"
     )
     for label in labels:
         lat = pooled[label]
         failed = ", ".join(f"{c} {codes[label].count(c)}" for c in sorted(set(codes[label])))
         print(
-            f"   {label:6} p50 {_quantile_ms(lat, 50):6.3f} ms  p99 {_quantile_ms(lat, 99):6.3f} "
-            f"ms  p99.9 {_quantile_ms(lat, 99.9):6.3f} ms  server CPU "
-            f"{cpu[label] / len(lat) * 1e3:.3f} ms/req  failed: {failed or 'none'}"
+            f"   {label:6} {sent[label]} requests  p50 {_quantile_ms(lat, 50):6.3f} ms  "
+            f"p99 {_quantile_ms(lat, 99):6.3f} ms  p99.9 {_quantile_ms(lat, 99.9):6.3f} ms  "
+            f"server CPU {cpu[label] / sent[label] * 1e3:.3f} ms/req  failed: {failed or 'none'}"
         )
     for a in labels:
         if a == "off":
             continue
         for q in (50, 99):
             diff, low, high = block_bootstrap(
-                all_legs, all_offsets, pooled[a], pooled["off"], q, args.block_s, args.resamples
+                all_legs, all_blocks, pooled[a], pooled["off"], q, args.resamples
             )
             print(
                 f"   {a} - off, p{q}: {diff:+.3f} ms, 95 % interval {low:+.3f} to {high:+.3f} ms "
-                f"({args.resamples} resamples of legs, then of {args.block_s:g} s blocks)"
+                f"({args.resamples} resamples of legs, then of blocks)"
             )
-        print(f"   {a} - off, server CPU per request: {_pct(math.log(cpu[a] / cpu['off']))}")
+        per_request = (cpu[a] / sent[a]) / (cpu["off"] / sent["off"])
+        print(f"   {a} - off, server CPU per request: {_pct(math.log(per_request))}")
 
 
 def _pct(log_ratio: float) -> str:
@@ -431,7 +486,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=8, help="end-to-end rounds (0: skip)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument(
-        "--rate-rps", dest="rate", type=float, default=150.0, help="per server, both at once"
+        "--rate-rps",
+        dest="rate",
+        type=float,
+        default=150.0,
+        help="per server (parts 2 and 3: all at once; part 4: in its turn)",
     )
     parser.add_argument(
         "--control", action="store_true", help="also pair two tracing-off servers (noise floor)"
@@ -441,10 +500,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--paired-s", type=float, default=0.0, help="paired requests for this long (0: skip)"
     )
     parser.add_argument(
-        "--legs", type=int, default=6, help="parts of --paired-s, each with fresh servers"
+        "--legs",
+        type=int,
+        default=6,
+        help="parts of --paired-s or --turns-s, each with fresh servers",
     )
-    parser.add_argument("--block-s", type=float, default=5.0, help="bootstrap block length")
+    parser.add_argument(
+        "--block-s", type=float, default=5.0, help="bootstrap block length (part 3)"
+    )
+    parser.add_argument(
+        "--turns-s", type=float, default=0.0, help="servers taking turns for this long (0: skip)"
+    )
+    parser.add_argument(
+        "--slot-s", type=float, default=2.0, help="how long each turn lasts (part 4)"
+    )
     parser.add_argument("--resamples", type=int, default=2000)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="draws of parts 3 and 4 (schedules, orders)"
+    )
     parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
     args = parser.parse_args(argv)
 
@@ -461,7 +534,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(_summary(results, mode, load, "off-2", "off"))
     if args.paired_s > 0:
         print(f"3. paired requests at {args.rate:g} req/s to each server, tracing on against off")
-        paired(args)
+        in_legs(args, args.paired_s, lambda labels: _every_server(labels, args.block_s))
+    if args.turns_s > 0:
+        print(
+            f"4. servers taking turns at {args.rate:g} req/s, one at a time in "
+            f"{args.slot_s:g} s slots, tracing on against off"
+        )
+        in_legs(args, args.turns_s, lambda labels: _taking_turns(labels, args.slot_s))
     return 0
 
 
