@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import random
 import statistics
@@ -44,6 +45,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -205,13 +207,22 @@ def end_to_end(args: argparse.Namespace) -> Runs:
 
 
 def _start_servers(
-    stack: contextlib.ExitStack, labels: Sequence[str], budget_ms: float
+    stack: contextlib.ExitStack,
+    labels: Sequence[str],
+    budget_ms: float,
+    trace_file: Path | None = None,
 ) -> dict[str, ServerProcess]:
+    """Servers for `labels`; with `trace_file`, the tracing-on one writes its kept traces
+    there, as the embedded default does (otherwise they go to no exporter)."""
     onnx_path = resolve_model_path(None)
     knobs = riskserve_knobs(budget_ms)
     servers = {}
     for label in labels:
         spec = server_spec(SERVER_KINDS[label], onnx_path, knobs)
+        if trace_file is not None and label == "on":
+            spec = dataclasses.replace(
+                spec, env={**spec.env, "RISKSERVE_TRACE_FILE": str(trace_file)}
+            )
         log_path = RESULTS_DIR / "logs" / f"tracing-overhead-{label}.log"
         servers[label] = stack.enter_context(ServerProcess(spec, log_path))
     return servers
@@ -401,6 +412,7 @@ def in_legs(
     payload = build_infer_request(plan.model_name, arrays, io.output).SerializeToString()
     labels = ["on", "off"] + (["off-2"] if args.control else [])
     schedule = schedule_for(labels)
+    trace_file = RESULTS_DIR / "logs" / "tracing-overhead-traces.jsonl" if args.export else None
     warm_up = poisson_offsets(args.rate, 5.0, 10_000, seed=12)
     timeout_s = args.riskserve_budget_ms / 1e3
     leg_s = total_s / args.legs
@@ -409,13 +421,16 @@ def in_legs(
     codes: dict[str, list[str]] = {label: [] for label in labels}
     cpu = dict.fromkeys(labels, 0.0)
     took = 0.0
+    kept_servers = 0  # server spans the tracing-on server wrote (warm-up included), --export
     for leg in range(args.legs):
         key = args.seed * 1000 + leg  # each leg's own draws, and another run's with --seed
         leg_offsets = poisson_offsets(args.rate, leg_s, 10_000_000, seed=11 + key)
         sends, leg_blocks = schedule(key, leg_offsets)
         order = random.Random(key).sample(labels, len(labels))
         with contextlib.ExitStack() as stack:
-            servers = _start_servers(stack, order, args.riskserve_budget_ms)
+            if trace_file is not None:
+                trace_file.unlink(missing_ok=True)  # each leg's kept traces, not every run's
+            servers = _start_servers(stack, order, args.riskserve_budget_ms, trace_file)
             targets = {label: servers[label].target for label in labels}
             asyncio.run(
                 _request_loop(
@@ -430,6 +445,9 @@ def in_legs(
             took += time.monotonic() - started
             for label, server in servers.items():
                 cpu[label] += server.cpu_seconds() - cpu_before[label]
+        if trace_file is not None and trace_file.exists():  # flushed as the server stopped
+            with trace_file.open(encoding="utf-8") as lines:
+                kept_servers += sum('"kind": "SERVER"' in line for line in lines)
         legs.append(np.full(len(leg_offsets), leg))
         blocks.append(leg_blocks)
         for label in labels:
@@ -473,6 +491,8 @@ def in_legs(
             )
         per_request = (cpu[a] / sent[a]) / (cpu["off"] / sent["off"])
         print(f"   {a} - off, server CPU per request: {_pct(math.log(per_request))}")
+    if trace_file is not None:
+        print(f"   the tracing-on server wrote {kept_servers} kept traces (warm-ups included)")
 
 
 def _pct(log_ratio: float) -> str:
@@ -518,7 +538,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--seed", type=int, default=0, help="draws of parts 3 and 4 (schedules, orders)"
     )
-    parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
+    parser.add_argument(
+        "--riskserve-budget-ms",
+        type=float,
+        default=1000.0,
+        help="each server's budget (its slow-trace threshold is half of it)",
+    )
+    parser.add_argument(
+        "--export",
+        action="store_true",
+        help="parts 3 and 4: the tracing-on server writes kept traces to a JSON-lines file",
+    )
     args = parser.parse_args(argv)
 
     print("1. recording cost per request (median of interleaved repeats)")
