@@ -203,7 +203,10 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             if tracing is not None and trace is not None and trace_token is not None:
                 tracing.deactivate(trace_token)
                 details = "" if code == 0 else name
-                if tracing.end_request(trace, code, details) != DECISION_DROPPED:
+                # A kept trace's spans are built once the reply is on its way (call_soon
+                # runs after this task yields, when gRPC has started sending).
+                later = asyncio.get_running_loop().call_soon
+                if tracing.end_request(trace, code, details, later) != DECISION_DROPPED:
                     kept_trace = trace.context
             if telemetry is not None and call.model:
                 telemetry.metrics.observe_request(

@@ -272,10 +272,19 @@ class Tracing:
     ) -> BatchTrace:
         return BatchTrace([(r.trace_id, r.span_id) for r in requests if r is not None], attributes)
 
-    def end_request(self, trace: RequestTrace, status_code: int, description: str = "") -> str:
+    def end_request(
+        self,
+        trace: RequestTrace,
+        status_code: int,
+        description: str = "",
+        later: Callable[..., object] | None = None,
+    ) -> str:
         """Decide and, if kept, export; returns the reason or 'dropped'.
 
-        `status_code` is the gRPC status as a number (0 is OK).
+        `status_code` is the gRPC status as a number (0 is OK). With `later` (an event loop's
+        `call_soon`), a kept trace's spans are built when it calls back, not now: the RPC's
+        reply goes out first. Traces kept for being slow are the tail itself, and building
+        their spans (tens of microseconds) inside the RPC would add to exactly those requests.
         """
         end_ns = time.time_ns()
         self._open -= 1
@@ -284,7 +293,10 @@ class Tracing:
             self._dropped += 1
             return reason
         self._kept[reason] = self._kept.get(reason, 0) + 1
-        self._emit(trace, status_code, description, end_ns, reason)
+        if later is None:
+            self._emit(trace, status_code, description, end_ns, reason)
+        else:
+            later(self._emit, trace, status_code, description, end_ns, reason)
         return reason
 
     def _reason(self, trace: RequestTrace, status_code: int, end_ns: int) -> str:

@@ -193,3 +193,24 @@ def test_deferred_details_run_on_export_only():
     assert stage.parent.span_id == slow.span_id
     assert stage.attributes["riskserve.engine"] == "fake"
     assert stage.end_time - stage.start_time == 2 * MS
+
+
+def test_a_kept_trace_is_built_when_later_calls_back_not_before():
+    tracing, exporter = _tracing()
+    callbacks = []
+
+    def later(fn, *args):  # as loop.call_soon: keeps the call for later
+        callbacks.append((fn, args))
+
+    slow = _request(tracing, took_ns=6 * MS)
+    fast = _request(tracing)
+    assert tracing.end_request(slow, OK, later=later) == "slow"
+    assert tracing.end_request(fast, OK, later=later) == "dropped"
+    assert exporter.get_finished_spans() == ()  # decided, counted, nothing built yet
+    assert tracing.decisions() == {"slow": 1, "dropped": 1}
+    assert len(callbacks) == 1  # a dropped trace leaves nothing to do
+    fn, args = callbacks[0]
+    fn(*args)
+    (span,) = exporter.get_finished_spans()
+    assert span.context.trace_id == slow.trace_id
+    assert span.attributes[SAMPLED_REASON_ATTRIBUTE] == "slow"
