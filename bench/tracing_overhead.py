@@ -27,9 +27,14 @@
    a machine with few cores their contention makes the tail; here each server meets the load
    `--rate-rps` with the machine to itself, as a deployed one would, and pairing is by round.
 
+Every server runs as `bench.compare` starts it: kept traces go to no exporter, and the 1 s
+budget (`--riskserve-budget-ms`) puts the slow-trace threshold at 500 ms. For parts 3 and 4,
+`--export` has the tracing-on server write its kept traces to a JSON-lines file, as the
+embedded default does; with `--riskserve-budget-ms 10` as well, the run is as deployed.
+
     .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
     .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 840 --legs 6 --control
-    .venv/bin/python -m bench.tracing_overhead --rounds 0 --turns-s 840 --legs 6 --control
+    .venv/bin/python -m bench.tracing_overhead --rounds 0 --turns-s 2700 --legs 18 --control
 """
 
 from __future__ import annotations
