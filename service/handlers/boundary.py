@@ -203,10 +203,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             if tracing is not None and trace is not None and trace_token is not None:
                 tracing.deactivate(trace_token)
                 details = "" if code == 0 else name
-                # A kept trace's spans are built once the reply is on its way (call_soon
-                # runs after this task yields, when gRPC has started sending).
-                later = asyncio.get_running_loop().call_soon
-                if tracing.end_request(trace, code, details, later) != DECISION_DROPPED:
+                if tracing.end_request(trace, code, details, _after_reply) != DECISION_DROPPED:
                     kept_trace = trace.context
             if telemetry is not None and call.model:
                 telemetry.metrics.observe_request(
@@ -220,6 +217,12 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return wrapper
+
+
+def _after_reply(callback: Callable[..., object], *args: Any) -> None:
+    """Run `callback(*args)` on the event loop's next turn: after this RPC's task yields, when
+    gRPC has started sending the reply (a kept trace's spans are built there)."""
+    asyncio.get_running_loop().call_soon(callback, *args)
 
 
 def _code_of(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
