@@ -43,14 +43,17 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -404,9 +407,72 @@ def _taking_turns(labels: list[str], slot_s: float) -> Schedule:
     return schedule
 
 
+@dataclasses.dataclass
+class Legs:
+    """Every request of a part 3 or 4 run, by instant: what its report reads, and what
+    `--save` keeps so that later runs can be pooled with it (`--pool`)."""
+
+    legs: np.ndarray  # each instant's leg
+    blocks: np.ndarray  # its bootstrap block, within its leg
+    latencies: dict[str, np.ndarray]  # seconds, by server; NaN: sent nothing, inf: failed
+    failed: dict[str, dict[str, int]]  # failed requests by server and status code
+    cpu_s: dict[str, float]  # server CPU seconds over the timed legs
+    took_s: float
+    kept_traces: int | None = None  # server spans the tracing-on server wrote, with --export
+
+    def save(self, path: Path) -> None:
+        meta = {
+            "labels": list(self.latencies),
+            "failed": self.failed,
+            "cpu_s": self.cpu_s,
+            "took_s": self.took_s,
+            "kept_traces": self.kept_traces,
+        }
+        arrays: dict[str, Any] = {f"latency_{label}": lat for label, lat in self.latencies.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.savez_compressed(
+            path, legs=self.legs, blocks=self.blocks, meta=np.array(json.dumps(meta)), **arrays
+        )
+
+    @classmethod
+    def load(cls, path: Path) -> Legs:
+        with np.load(path, allow_pickle=False) as saved:
+            meta = json.loads(str(saved["meta"]))
+            return cls(
+                legs=saved["legs"],
+                blocks=saved["blocks"],
+                latencies={label: saved[f"latency_{label}"] for label in meta["labels"]},
+                failed=meta["failed"],
+                cpu_s=meta["cpu_s"],
+                took_s=meta["took_s"],
+                kept_traces=meta["kept_traces"],
+            )
+
+    @classmethod
+    def pooled(cls, runs: Sequence[Legs]) -> Legs:
+        """Runs as one, each run's legs numbered after the last one's; the servers all share."""
+        labels = [label for label in runs[0].latencies if all(label in r.latencies for r in runs)]
+        legs, first = [], 0
+        for run in runs:
+            legs.append(run.legs + first)
+            first += int(run.legs.max(initial=-1)) + 1
+        kept = [r.kept_traces for r in runs]
+        return cls(
+            legs=np.concatenate(legs),
+            blocks=np.concatenate([r.blocks for r in runs]),
+            latencies={lb: np.concatenate([r.latencies[lb] for r in runs]) for lb in labels},
+            failed={
+                lb: dict(sum((Counter(r.failed[lb]) for r in runs), Counter())) for lb in labels
+            },
+            cpu_s={lb: sum(r.cpu_s[lb] for r in runs) for lb in labels},
+            took_s=sum(r.took_s for r in runs),
+            kept_traces=None if None in kept else sum(k for k in kept if k is not None),
+        )
+
+
 def in_legs(
     args: argparse.Namespace, total_s: float, schedule_for: Callable[[list[str]], Schedule]
-) -> None:
+) -> Legs:
     """Tracing on and off (and, with --control, a second off) driven by one Poisson schedule
     at `--rate-rps` in `--legs` legs, each with server processes of its own, started in a fresh
     order; `schedule_for` says which servers each instant goes to, and the bootstrap blocks."""
@@ -423,7 +489,7 @@ def in_legs(
     leg_s = total_s / args.legs
     legs, blocks = [], []
     latencies: dict[str, list[np.ndarray]] = {label: [] for label in labels}
-    codes: dict[str, list[str]] = {label: [] for label in labels}
+    failed: dict[str, Counter[str]] = {label: Counter() for label in labels}
     cpu = dict.fromkeys(labels, 0.0)
     took = 0.0
     kept_servers = 0  # server spans the tracing-on server wrote (warm-up included), --export
@@ -457,7 +523,7 @@ def in_legs(
         blocks.append(leg_blocks)
         for label in labels:
             latencies[label].append(leg_latencies[label])
-            codes[label].extend(leg_codes[label])
+            failed[label].update(leg_codes[label])
         p99 = {label: _quantile_ms(leg_latencies[label], 99) for label in labels}
         print(
             f"   leg {leg + 1} (started {', '.join(order)}): p99 "
@@ -467,37 +533,57 @@ def in_legs(
             + " ms",
             flush=True,
         )
-    all_legs, all_blocks = np.concatenate(legs), np.concatenate(blocks)
-    pooled = {label: np.concatenate(parts) for label, parts in latencies.items()}
-    sent = {label: int(np.count_nonzero(~np.isnan(lat))) for label, lat in pooled.items()}
+    return Legs(
+        legs=np.concatenate(legs),
+        blocks=np.concatenate(blocks),
+        latencies={label: np.concatenate(parts) for label, parts in latencies.items()},
+        failed={label: dict(counts) for label, counts in failed.items()},
+        cpu_s=cpu,
+        took_s=took,
+        kept_traces=kept_servers if trace_file is not None else None,
+    )
+
+
+def report(run: Legs, resamples: int) -> None:
+    """Each server's pooled p50/p99/p99.9 and CPU, and every difference from `off` with its
+    bootstrap interval."""
+    instants, legs = len(run.legs), len(np.unique(run.legs))
     print(
-        f"   {len(all_legs)} instants in {args.legs} legs, {took:.0f} s in all "
-        f"({len(all_legs) / took:.1f} instants/s); pooled over the legs, failed requests "
+        f"   {instants} instants in {legs} legs, {run.took_s:.0f} s in all "
+        f"({instants / run.took_s:.1f} instants/s); pooled over the legs, failed requests "
         f"counted as infinitely slow"
     )
-    for label in labels:
-        lat = pooled[label]
-        failed = ", ".join(f"{c} {codes[label].count(c)}" for c in sorted(set(codes[label])))
+    sent = {label: int(np.count_nonzero(~np.isnan(lat))) for label, lat in run.latencies.items()}
+    for label, lat in run.latencies.items():
+        failed = ", ".join(f"{code} {n}" for code, n in sorted(run.failed[label].items()))
         print(
             f"   {label:6} {sent[label]} requests  p50 {_quantile_ms(lat, 50):6.3f} ms  "
             f"p99 {_quantile_ms(lat, 99):6.3f} ms  p99.9 {_quantile_ms(lat, 99.9):6.3f} ms  "
-            f"server CPU {cpu[label] / sent[label] * 1e3:.3f} ms/req  failed: {failed or 'none'}"
+            f"server CPU {run.cpu_s[label] / sent[label] * 1e3:.3f} ms/req  "
+            f"failed: {failed or 'none'}"
         )
-    for a in labels:
+    for a in run.latencies:
         if a == "off":
             continue
         for q in (50, 99):
             diff, low, high = block_bootstrap(
-                all_legs, all_blocks, pooled[a], pooled["off"], q, args.resamples
+                run.legs, run.blocks, run.latencies[a], run.latencies["off"], q, resamples
             )
             print(
                 f"   {a} - off, p{q}: {diff:+.3f} ms, 95 % interval {low:+.3f} to {high:+.3f} ms "
-                f"({args.resamples} resamples of legs, then of blocks)"
+                f"({resamples} resamples of legs, then of blocks)"
             )
-        per_request = (cpu[a] / sent[a]) / (cpu["off"] / sent["off"])
+        per_request = (run.cpu_s[a] / sent[a]) / (run.cpu_s["off"] / sent["off"])
         print(f"   {a} - off, server CPU per request: {_pct(math.log(per_request))}")
-    if trace_file is not None:
-        print(f"   the tracing-on server wrote {kept_servers} kept traces (warm-ups included)")
+    if run.kept_traces is not None:
+        print(f"   the tracing-on server wrote {run.kept_traces} kept traces (warm-ups included)")
+
+
+def _keep(run: Legs, args: argparse.Namespace) -> None:
+    if args.save:
+        run.save(args.save)  # before the report, which takes minutes of resampling
+        print(f"   kept every latency in {args.save}")
+    report(run, args.resamples)
 
 
 def _pct(log_ratio: float) -> str:
@@ -554,7 +640,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="parts 3 and 4: the tracing-on server writes kept traces to a JSON-lines file",
     )
+    parser.add_argument(
+        "--save", type=Path, help="part 3 or 4: keep every latency in this .npz file, to pool"
+    )
+    parser.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        help="report runs kept with --save as one (their legs all drawn alike), and run nothing",
+    )
     args = parser.parse_args(argv)
+    if args.save and args.paired_s > 0 and args.turns_s > 0:
+        parser.error("--save keeps one part's latencies: run part 3 or part 4, not both")
+    if args.pool:
+        runs = [Legs.load(path) for path in args.pool]
+        print(f"pooled: {', '.join(str(path) for path in args.pool)}")
+        report(Legs.pooled(runs), args.resamples)
+        return 0
 
     print("1. recording cost per request (median of interleaved repeats)")
     costs = recording(args.requests, args.repeats)
@@ -569,13 +671,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(_summary(results, mode, load, "off-2", "off"))
     if args.paired_s > 0:
         print(f"3. paired requests at {args.rate:g} req/s to each server, tracing on against off")
-        in_legs(args, args.paired_s, lambda labels: _every_server(labels, args.block_s))
+        run = in_legs(args, args.paired_s, lambda labels: _every_server(labels, args.block_s))
+        _keep(run, args)
     if args.turns_s > 0:
         print(
             f"4. servers taking turns at {args.rate:g} req/s, one at a time in "
             f"{args.slot_s:g} s slots, tracing on against off"
         )
-        in_legs(args, args.turns_s, lambda labels: _taking_turns(labels, args.slot_s))
+        run = in_legs(args, args.turns_s, lambda labels: _taking_turns(labels, args.slot_s))
+        _keep(run, args)
     return 0
 
 

@@ -1,10 +1,13 @@
-"""The tracing benchmark's statistics: its two-level bootstrap and its turn-taking schedule."""
+"""The tracing benchmark's statistics: its two-level bootstrap, its turn-taking schedule, and
+the runs it keeps (--save) and pools (--pool)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
-from bench.tracing_overhead import _taking_turns, block_bootstrap
+from bench.tracing_overhead import Legs, _taking_turns, block_bootstrap
 
 
 def _instants(legs: int, blocks: int, per_block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -61,3 +64,51 @@ def test_turns_give_each_server_one_slot_a_round():
         tuple(dict.fromkeys(sends[i][0] for i in np.flatnonzero(rounds == r))) for r in range(10)
     }
     assert len(first_orders) > 1  # the order is drawn afresh, not fixed
+
+
+def _run(legs: int, shift_s: float, seed: int, control: bool = True) -> Legs:
+    leg, block = _instants(legs, 5, 40)
+    rng = np.random.default_rng(seed)
+    off = rng.exponential(0.002, len(leg))
+    latencies = {"on": off + shift_s, "off": off}
+    if control:
+        latencies["off-2"] = np.where(np.arange(len(leg)) % 3 == 0, np.nan, off)
+    latencies["on"][5] = np.inf
+    return Legs(
+        legs=leg,
+        blocks=block,
+        latencies=latencies,
+        failed={label: {"DEADLINE_EXCEEDED": 1} if label == "on" else {} for label in latencies},
+        cpu_s=dict.fromkeys(latencies, 2.0),
+        took_s=30.0,
+        kept_traces=12,
+    )
+
+
+def test_a_saved_run_loads_as_it_was(tmp_path: Path):
+    run = _run(3, 0.0002, seed=1)
+    run.save(tmp_path / "run.npz")
+    back = Legs.load(tmp_path / "run.npz")
+    assert np.array_equal(back.legs, run.legs) and np.array_equal(back.blocks, run.blocks)
+    assert list(back.latencies) == ["on", "off", "off-2"]
+    for label, lat in run.latencies.items():
+        assert np.array_equal(back.latencies[label], lat, equal_nan=True)  # NaN and inf kept
+    assert back.failed == run.failed and back.cpu_s == run.cpu_s
+    assert (back.took_s, back.kept_traces) == (30.0, 12)
+
+
+def test_pooled_runs_keep_their_legs_apart_and_share_their_servers():
+    first, second = _run(3, 0.0002, seed=1), _run(2, 0.0004, seed=2, control=False)
+    pooled = Legs.pooled([first, second])
+    # The second run's legs come after the first's: five legs, not three.
+    assert sorted(np.unique(pooled.legs)) == [0, 1, 2, 3, 4]
+    assert np.array_equal(pooled.legs[len(first.legs) :], second.legs + 3)
+    assert list(pooled.latencies) == ["on", "off"]  # off-2 ran in one of them only
+    assert len(pooled.latencies["on"]) == len(first.legs) + len(second.legs)
+    assert pooled.failed["on"] == {"DEADLINE_EXCEEDED": 2}
+    assert pooled.cpu_s["off"] == 4.0 and pooled.took_s == 60.0 and pooled.kept_traces == 24
+    # The pooled p50 shift lies between the two runs' own.
+    diff, low, high = block_bootstrap(
+        pooled.legs, pooled.blocks, pooled.latencies["on"], pooled.latencies["off"], 50, 100
+    )
+    assert 0.2 - 1e-9 <= diff <= 0.4 + 1e-9 and low <= diff <= high
