@@ -335,9 +335,12 @@ async def _request_loop(
 def _quantile_ms(latencies_s: np.ndarray, q: float) -> float:
     """The q-th percentile of the requests sent (NaN: none sent at that instant), in ms.
 
-    A sample's own value (no interpolation), so a failed request's inf stays meaningful.
+    A sample's own value (no interpolation), so a failed request's inf stays meaningful; NaN
+    where nothing was sent (a short run's resample can draw only another server's turns).
     """
     sent = latencies_s[~np.isnan(latencies_s)]
+    if sent.size == 0:
+        return math.nan
     return float(np.percentile(sent, q, method="inverted_cdf")) * 1e3
 
 
@@ -376,7 +379,8 @@ def block_bootstrap(
             )
         index = np.concatenate(parts)
         diffs[r] = _quantile_ms(a[index], q) - _quantile_ms(b[index], q)
-    low, high = np.percentile(diffs, [2.5, 97.5], method="inverted_cdf")
+    # Resamples that drew nothing from one side (only in runs of a round or two) are left out.
+    low, high = np.percentile(diffs[~np.isnan(diffs)], [2.5, 97.5], method="inverted_cdf")
     return _quantile_ms(a, q) - _quantile_ms(b, q), float(low), float(high)
 
 

@@ -112,3 +112,15 @@ def test_pooled_runs_keep_their_legs_apart_and_share_their_servers():
         pooled.legs, pooled.blocks, pooled.latencies["on"], pooled.latencies["off"], 50, 100
     )
     assert 0.2 - 1e-9 <= diff <= 0.4 + 1e-9 and low <= diff <= high
+
+
+def test_bootstrap_leaves_out_resamples_that_drew_one_side_only():
+    # One leg of two rounds, the second a short one that only "off" was sent in.
+    legs = np.zeros(300, dtype=np.int64)
+    blocks = np.repeat([0, 1], [200, 100])
+    off = np.full(300, 0.002)
+    on = np.where(np.arange(300) < 100, 0.0025, np.nan)
+    off[:100] = np.nan
+    diff, low, high = block_bootstrap(legs, blocks, on, off, 50, resamples=200)
+    assert abs(diff - 0.5) < 1e-9
+    assert abs(low - 0.5) < 1e-9 and abs(high - 0.5) < 1e-9
