@@ -32,6 +32,10 @@ budget (`--riskserve-budget-ms`) puts the slow-trace threshold at 500 ms. For pa
 `--export` has the tracing-on server write its kept traces to a JSON-lines file, as the
 embedded default does; with `--riskserve-budget-ms 10` as well, the run is as deployed.
 
+`--save run.npz` keeps every latency of a part 3 or 4 run, with its legs, blocks, failures and
+server CPU; `--pool a.npz b.npz ...` reports saved runs as one (each run's legs kept apart, the
+servers every run had) and runs nothing, so a later run adds to an earlier one's precision.
+
     .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
     .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 840 --legs 6 --control
     .venv/bin/python -m bench.tracing_overhead --rounds 0 --turns-s 2700 --legs 18 --control
@@ -423,10 +427,15 @@ class Legs:
     cpu_s: dict[str, float]  # server CPU seconds over the timed legs
     took_s: float
     kept_traces: int | None = None  # server spans the tracing-on server wrote, with --export
+    # How it ran (part, rate, budget, export, slot or block): only like runs are pooled.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
+    seeds: list[int] = dataclasses.field(default_factory=list)
 
     def save(self, path: Path) -> None:
         meta = {
             "labels": list(self.latencies),
+            "settings": self.settings,
+            "seeds": self.seeds,
             "failed": self.failed,
             "cpu_s": self.cpu_s,
             "took_s": self.took_s,
@@ -450,11 +459,18 @@ class Legs:
                 cpu_s=meta["cpu_s"],
                 took_s=meta["took_s"],
                 kept_traces=meta["kept_traces"],
+                settings=meta["settings"],
+                seeds=meta["seeds"],
             )
 
     @classmethod
     def pooled(cls, runs: Sequence[Legs]) -> Legs:
-        """Runs as one, each run's legs numbered after the last one's; the servers all share."""
+        """Runs as one, each run's legs numbered after the last one's; the servers all share.
+
+        Runs made with other settings measure other things: ValueError."""
+        unlike = {json.dumps(r.settings, sort_keys=True) for r in runs}
+        if len(unlike) > 1:
+            raise ValueError(f"runs made with different settings: {' and '.join(sorted(unlike))}")
         labels = [label for label in runs[0].latencies if all(label in r.latencies for r in runs)]
         legs, first = [], 0
         for run in runs:
@@ -471,11 +487,16 @@ class Legs:
             cpu_s={lb: sum(r.cpu_s[lb] for r in runs) for lb in labels},
             took_s=sum(r.took_s for r in runs),
             kept_traces=None if None in kept else sum(k for k in kept if k is not None),
+            settings=runs[0].settings,
+            seeds=[seed for r in runs for seed in r.seeds],
         )
 
 
 def in_legs(
-    args: argparse.Namespace, total_s: float, schedule_for: Callable[[list[str]], Schedule]
+    args: argparse.Namespace,
+    total_s: float,
+    schedule_for: Callable[[list[str]], Schedule],
+    settings: dict[str, Any],
 ) -> Legs:
     """Tracing on and off (and, with --control, a second off) driven by one Poisson schedule
     at `--rate-rps` in `--legs` legs, each with server processes of its own, started in a fresh
@@ -545,6 +566,13 @@ def in_legs(
         cpu_s=cpu,
         took_s=took,
         kept_traces=kept_servers if trace_file is not None else None,
+        settings={
+            **settings,
+            "rate_rps": args.rate,
+            "budget_ms": args.riskserve_budget_ms,
+            "export": args.export,
+        },
+        seeds=[args.seed],
     )
 
 
@@ -658,8 +686,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--save keeps one part's latencies: run part 3 or part 4, not both")
     if args.pool:
         runs = [Legs.load(path) for path in args.pool]
+        try:
+            pooled = Legs.pooled(runs)
+        except ValueError as exc:
+            parser.error(str(exc))
         print(f"pooled: {', '.join(str(path) for path in args.pool)}")
-        report(Legs.pooled(runs), args.resamples)
+        print(f"   {pooled.settings}, seeds {pooled.seeds}")
+        report(pooled, args.resamples)
         return 0
 
     print("1. recording cost per request (median of interleaved repeats)")
@@ -675,14 +708,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(_summary(results, mode, load, "off-2", "off"))
     if args.paired_s > 0:
         print(f"3. paired requests at {args.rate:g} req/s to each server, tracing on against off")
-        run = in_legs(args, args.paired_s, lambda labels: _every_server(labels, args.block_s))
+        run = in_legs(
+            args,
+            args.paired_s,
+            lambda labels: _every_server(labels, args.block_s),
+            {"part": "paired requests", "block_s": args.block_s},
+        )
         _keep(run, args)
     if args.turns_s > 0:
         print(
             f"4. servers taking turns at {args.rate:g} req/s, one at a time in "
             f"{args.slot_s:g} s slots, tracing on against off"
         )
-        run = in_legs(args, args.turns_s, lambda labels: _taking_turns(labels, args.slot_s))
+        run = in_legs(
+            args,
+            args.turns_s,
+            lambda labels: _taking_turns(labels, args.slot_s),
+            {"part": "servers taking turns", "slot_s": args.slot_s},
+        )
         _keep(run, args)
     return 0
 

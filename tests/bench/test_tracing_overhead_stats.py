@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench.tracing_overhead import Legs, _taking_turns, block_bootstrap
 
@@ -66,6 +67,9 @@ def test_turns_give_each_server_one_slot_a_round():
     assert len(first_orders) > 1  # the order is drawn afresh, not fixed
 
 
+SETTINGS = {"part": "servers taking turns", "slot_s": 2.0, "rate_rps": 150.0, "export": True}
+
+
 def _run(legs: int, shift_s: float, seed: int, control: bool = True) -> Legs:
     leg, block = _instants(legs, 5, 40)
     rng = np.random.default_rng(seed)
@@ -82,6 +86,8 @@ def _run(legs: int, shift_s: float, seed: int, control: bool = True) -> Legs:
         cpu_s=dict.fromkeys(latencies, 2.0),
         took_s=30.0,
         kept_traces=12,
+        settings=dict(SETTINGS),
+        seeds=[seed],
     )
 
 
@@ -95,6 +101,7 @@ def test_a_saved_run_loads_as_it_was(tmp_path: Path):
         assert np.array_equal(back.latencies[label], lat, equal_nan=True)  # NaN and inf kept
     assert back.failed == run.failed and back.cpu_s == run.cpu_s
     assert (back.took_s, back.kept_traces) == (30.0, 12)
+    assert back.settings == SETTINGS and back.seeds == [1]
 
 
 def test_pooled_runs_keep_their_legs_apart_and_share_their_servers():
@@ -107,6 +114,7 @@ def test_pooled_runs_keep_their_legs_apart_and_share_their_servers():
     assert len(pooled.latencies["on"]) == len(first.legs) + len(second.legs)
     assert pooled.failed["on"] == {"DEADLINE_EXCEEDED": 2}
     assert pooled.cpu_s["off"] == 4.0 and pooled.took_s == 60.0 and pooled.kept_traces == 24
+    assert pooled.seeds == [1, 2] and pooled.settings == SETTINGS
     # The pooled p50 shift lies between the two runs' own.
     diff, low, high = block_bootstrap(
         pooled.legs, pooled.blocks, pooled.latencies["on"], pooled.latencies["off"], 50, 100
@@ -124,3 +132,10 @@ def test_bootstrap_leaves_out_resamples_that_drew_one_side_only():
     diff, low, high = block_bootstrap(legs, blocks, on, off, 50, resamples=200)
     assert abs(diff - 0.5) < 1e-9
     assert abs(low - 0.5) < 1e-9 and abs(high - 0.5) < 1e-9
+
+
+def test_runs_made_with_other_settings_are_not_pooled():
+    deployed, other = _run(2, 0.0, seed=1), _run(2, 0.0, seed=2)
+    other.settings["export"] = False  # its traced server wrote nothing
+    with pytest.raises(ValueError, match="different settings"):
+        Legs.pooled([deployed, other])
