@@ -223,18 +223,23 @@ def _start_servers(
     labels: Sequence[str],
     budget_ms: float,
     trace_file: Path | None = None,
+    sample_ratio: float | None = None,
 ) -> dict[str, ServerProcess]:
     """Servers for `labels`; with `trace_file`, the tracing-on one writes its kept traces
-    there, as the embedded default does (otherwise they go to no exporter)."""
+    there, as the embedded default does (otherwise they go to no exporter), and with
+    `sample_ratio` it keeps that share of the fast traces (otherwise its default, 1 %)."""
+    on_env: dict[str, str] = {}
+    if trace_file is not None:
+        on_env["RISKSERVE_TRACE_FILE"] = str(trace_file)
+    if sample_ratio is not None:
+        on_env["RISKSERVE_TRACE_SAMPLE_RATIO"] = f"{sample_ratio:g}"
     onnx_path = resolve_model_path(None)
     knobs = riskserve_knobs(budget_ms)
     servers = {}
     for label in labels:
         spec = server_spec(SERVER_KINDS[label], onnx_path, knobs)
-        if trace_file is not None and label == "on":
-            spec = dataclasses.replace(
-                spec, env={**spec.env, "RISKSERVE_TRACE_FILE": str(trace_file)}
-            )
+        if label == "on":
+            spec = dataclasses.replace(spec, env={**spec.env, **on_env})
         log_path = RESULTS_DIR / "logs" / f"tracing-overhead-{label}.log"
         servers[label] = stack.enter_context(ServerProcess(spec, log_path))
     return servers
@@ -526,7 +531,9 @@ def in_legs(
         with contextlib.ExitStack() as stack:
             if trace_file is not None:
                 trace_file.unlink(missing_ok=True)  # each leg's kept traces, not every run's
-            servers = _start_servers(stack, order, args.riskserve_budget_ms, trace_file)
+            servers = _start_servers(
+                stack, order, args.riskserve_budget_ms, trace_file, args.sample_ratio
+            )
             targets = {label: servers[label].target for label in labels}
             asyncio.run(
                 _request_loop(
@@ -571,6 +578,8 @@ def in_legs(
             "rate_rps": args.rate,
             "budget_ms": args.riskserve_budget_ms,
             "export": args.export,
+            # Only when set, so runs at the default pool with those saved before the option.
+            **({"sample_ratio": args.sample_ratio} if args.sample_ratio is not None else {}),
         },
         seeds=[args.seed],
     )
@@ -671,6 +680,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--export",
         action="store_true",
         help="parts 3 and 4: the tracing-on server writes kept traces to a JSON-lines file",
+    )
+    parser.add_argument(
+        "--sample-ratio",
+        type=float,
+        help="parts 3 and 4: the tracing-on server's share of fast traces kept (default 0.01)",
     )
     parser.add_argument(
         "--save", type=Path, help="part 3 or 4: keep every latency in this .npz file, to pool"
