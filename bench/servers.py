@@ -12,9 +12,11 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
@@ -61,14 +63,32 @@ class ServerSpec:
     supports_model_config: bool = True
 
 
+def _exit_on_sigterm() -> None:
+    """Make a SIGTERM to this process a SystemExit, so context managers stop its servers.
+
+    Each server runs in a session of its own (so that stop() reaches its workers), which a
+    signal to the benchmark does not reach: without this, `kill` or `timeout` would leave them
+    running. Only from the main thread, and only where nobody set a handler of their own.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_exit)
+
+
+def _raise_exit(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class ServerProcess:
-    """A running server; use as a context manager so it is always stopped."""
+    """A running server; use as a context manager so it is always stopped, even when the
+    benchmark is sent SIGTERM."""
 
     def __init__(self, spec: ServerSpec, log_path: Path) -> None:
         self.spec = spec
         self.log_path = log_path
         self._process: subprocess.Popen[bytes] | None = None
-        self._log = None
+        self._log: BinaryIO | None = None
 
     @property
     def target(self) -> str:
@@ -78,6 +98,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("wb")
         env = {**os.environ, **self.spec.env}
+        _exit_on_sigterm()
         started = time.monotonic()
         # A new session, so stop() can signal the server and any workers it forks.
         self._process = subprocess.Popen(
