@@ -33,8 +33,9 @@ budget (`--riskserve-budget-ms`) puts the slow-trace threshold at 500 ms. For pa
 embedded default does; with `--riskserve-budget-ms 10` as well, the run is as deployed.
 
 `--save run.npz` keeps every latency of a part 3 or 4 run, with its legs, blocks, failures and
-server CPU; `--pool a.npz b.npz ...` reports saved runs as one (each run's legs kept apart, the
-servers every run had) and runs nothing, so a later run adds to an earlier one's precision.
+server CPU, settings and seed; `--pool a.npz b.npz ...` reports saved runs as one (each run's
+legs kept apart in the bootstrap, the servers every run had) and runs nothing, so a later run
+adds to an earlier one's precision. Runs with other settings, or a seed twice, are refused.
 
     .venv/bin/python -m bench.tracing_overhead --rounds 8 --rate-rps 150 --control
     .venv/bin/python -m bench.tracing_overhead --rounds 0 --paired-s 840 --legs 6 --control
@@ -472,10 +473,14 @@ class Legs:
     def pooled(cls, runs: Sequence[Legs]) -> Legs:
         """Runs as one, each run's legs numbered after the last one's; the servers all share.
 
-        Runs made with other settings measure other things: ValueError."""
+        Runs made with other settings measure other things, and a seed met twice is most likely
+        one run given twice: ValueError for either."""
         unlike = {json.dumps(r.settings, sort_keys=True) for r in runs}
         if len(unlike) > 1:
             raise ValueError(f"runs made with different settings: {' and '.join(sorted(unlike))}")
+        seeds = [seed for r in runs for seed in r.seeds]
+        if len(set(seeds)) < len(seeds):
+            raise ValueError(f"a seed comes twice ({seeds}): the same run, or the same draws")
         labels = [label for label in runs[0].latencies if all(label in r.latencies for r in runs)]
         legs, first = [], 0
         for run in runs:
@@ -493,7 +498,7 @@ class Legs:
             took_s=sum(r.took_s for r in runs),
             kept_traces=None if None in kept else sum(k for k in kept if k is not None),
             settings=runs[0].settings,
-            seeds=[seed for r in runs for seed in r.seeds],
+            seeds=seeds,
         )
 
 
@@ -693,7 +698,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--pool",
         type=Path,
         nargs="+",
-        help="report runs kept with --save as one (their legs all drawn alike), and run nothing",
+        help="report runs kept with --save as one (each run's legs apart), and run nothing",
     )
     args = parser.parse_args(argv)
     if args.save and args.paired_s > 0 and args.turns_s > 0:

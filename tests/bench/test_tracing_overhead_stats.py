@@ -139,3 +139,9 @@ def test_runs_made_with_other_settings_are_not_pooled():
     other.settings["export"] = False  # its traced server wrote nothing
     with pytest.raises(ValueError, match="different settings"):
         Legs.pooled([deployed, other])
+
+
+def test_one_run_given_twice_is_not_pooled():
+    run = _run(2, 0.0, seed=1)
+    with pytest.raises(ValueError, match="seed comes twice"):
+        Legs.pooled([run, run])
