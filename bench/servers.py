@@ -116,6 +116,9 @@ class ServerProcess:
                 self.spec.startup_timeout_s,
                 is_alive=lambda: self._process is not None and self._process.poll() is None,
             )
+        except (KeyboardInterrupt, SystemExit):  # stopped while waiting: the server goes too
+            self.stop()
+            raise
         except Exception:
             self.stop()
             raise RuntimeError(
