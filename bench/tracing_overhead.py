@@ -4,7 +4,9 @@
    validation stage, the deferred scoring details, its share of a batch of 8, end) with the
    deployed policy (ratio 0.01: almost every fast trace dropped) and with every trace kept and
    exported, against the plain SDK's cost of starting and ending the two spans a request would
-   need. Median of interleaved repeats.
+   need. Median of interleaved repeats. The first three run hot, in a tight loop; the two
+   "caches cold" rows time each batch of requests after 128 MB has been written over, as a
+   live server's requests meet caches that other work has filled since the request before.
 2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), both running and driven
    at the same moment, each by its own perf_analyzer, for `--rounds` rounds: at closed-loop
    concurrency `--concurrency` (the most each serves while sharing the cores) and at the
@@ -31,6 +33,8 @@ Every server runs as `bench.compare` starts it: kept traces go to no exporter, a
 budget (`--riskserve-budget-ms`) puts the slow-trace threshold at 500 ms. For parts 3 and 4,
 `--export` has the tracing-on server write its kept traces to a JSON-lines file, as the
 embedded default does; with `--riskserve-budget-ms 10` as well, the run is as deployed.
+`--sample-ratio` and `--export-batch` set its share of fast traces kept and the most spans its
+batch span processor exports at once, to measure what exporting more costs.
 
 `--save run.npz` keeps every latency of a part 3 or 4 run, with its legs, blocks, failures and
 server CPU, settings and seed; `--pool a.npz b.npz ...` reports saved runs as one (each run's
@@ -79,6 +83,7 @@ from bench.servers import ServerProcess
 from service.telemetry import RequestTrace, TailSamplingPolicy, Tracing
 
 BATCH_REQUESTS = 8
+EVICT_BYTES = 128 << 20  # written over between batches: several times a server CPU's caches
 SERVER_KINDS = {"on": "riskserve", "off": "riskserve-notrace", "off-2": "riskserve-notrace"}
 
 
@@ -102,19 +107,36 @@ def _record(tracing: Tracing, requests: int) -> float:
     """Seconds per request for the recording the request path does."""
     started = time.perf_counter()
     for _ in range(requests // BATCH_REQUESTS):
-        traces = [
-            tracing.start_request("svc/Score", {"rpc.system": "grpc", "rpc.method": "Score"})
-            for _ in range(BATCH_REQUESTS)
-        ]
-        batch = tracing.start_batch(traces, {"riskserve.batch.size": BATCH_REQUESTS})
-        batch.end({"riskserve.engine": "onnxruntime-cpu"})
-        now = time.monotonic_ns()
-        for trace in traces:
-            trace.add_stage("riskserve.validate", now, now + 10_000)
-            trace.batch = batch
-            trace.defer(_scored_details, "fraud-demo", now)
-            tracing.end_request(trace, 0)
+        _record_batch(tracing)
     return (time.perf_counter() - started) / requests
+
+
+def _record_cold(tracing: Tracing, requests: int, evict: np.ndarray) -> float:
+    """As `_record`, but each batch's requests are timed after `evict` has been written over
+    (untimed), so they find the caches holding other data, as a server's requests do between
+    the engine runs, gRPC and event-loop work of the requests before them."""
+    spent = 0.0
+    for _ in range(requests // BATCH_REQUESTS):
+        evict += 1
+        started = time.perf_counter()
+        _record_batch(tracing)
+        spent += time.perf_counter() - started
+    return spent / requests
+
+
+def _record_batch(tracing: Tracing) -> None:
+    traces = [
+        tracing.start_request("svc/Score", {"rpc.system": "grpc", "rpc.method": "Score"})
+        for _ in range(BATCH_REQUESTS)
+    ]
+    batch = tracing.start_batch(traces, {"riskserve.batch.size": BATCH_REQUESTS})
+    batch.end({"riskserve.engine": "onnxruntime-cpu"})
+    now = time.monotonic_ns()
+    for trace in traces:
+        trace.add_stage("riskserve.validate", now, now + 10_000)
+        trace.batch = batch
+        trace.defer(_scored_details, "fraud-demo", now)
+        tracing.end_request(trace, 0)
 
 
 def _scored_details(trace: RequestTrace, attributes: dict, model: str, now: int) -> None:
@@ -138,6 +160,7 @@ def _sdk_spans(provider: TracerProvider, requests: int) -> float:
 
 
 def recording(requests: int, repeats: int) -> dict[str, float]:
+    evict = np.zeros(EVICT_BYTES // 8)
     provider = TracerProvider(sampler=ALWAYS_ON, shutdown_on_exit=False)
     provider.add_span_processor(BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 16))
     runs: dict[str, Callable[[], float]] = {
@@ -146,6 +169,10 @@ def recording(requests: int, repeats: int) -> dict[str, float]:
             _tracing(export_all=True), requests
         ),
         "SDK spans, 2 per request, all exported": lambda: _sdk_spans(provider, requests),
+        "ratio 0.01, caches cold": lambda: _record_cold(_tracing(), requests, evict),
+        "every trace exported, caches cold": lambda: _record_cold(
+            _tracing(export_all=True), requests, evict
+        ),
     }
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):  # interleaved, so drift in machine load hits them alike
@@ -223,27 +250,34 @@ def _start_servers(
     stack: contextlib.ExitStack,
     labels: Sequence[str],
     budget_ms: float,
-    trace_file: Path | None = None,
-    sample_ratio: float | None = None,
+    on_env: dict[str, str] | None = None,
 ) -> dict[str, ServerProcess]:
-    """Servers for `labels`; with `trace_file`, the tracing-on one writes its kept traces
-    there, as the embedded default does (otherwise they go to no exporter), and with
-    `sample_ratio` it keeps that share of the fast traces (otherwise its default, 1 %)."""
-    on_env: dict[str, str] = {}
-    if trace_file is not None:
-        on_env["RISKSERVE_TRACE_FILE"] = str(trace_file)
-    if sample_ratio is not None:
-        on_env["RISKSERVE_TRACE_SAMPLE_RATIO"] = f"{sample_ratio:g}"
+    """Servers for `labels`, the tracing-on one with `on_env` added to its environment."""
     onnx_path = resolve_model_path(None)
     knobs = riskserve_knobs(budget_ms)
     servers = {}
     for label in labels:
         spec = server_spec(SERVER_KINDS[label], onnx_path, knobs)
         if label == "on":
-            spec = dataclasses.replace(spec, env={**spec.env, **on_env})
+            spec = dataclasses.replace(spec, env={**spec.env, **(on_env or {})})
         log_path = RESULTS_DIR / "logs" / f"tracing-overhead-{label}.log"
         servers[label] = stack.enter_context(ServerProcess(spec, log_path))
     return servers
+
+
+def _tracing_env(args: argparse.Namespace, trace_file: Path | None) -> dict[str, str]:
+    """The tracing-on server's settings for parts 3 and 4: with `trace_file` it writes its kept
+    traces there, as the embedded default does (otherwise they go to no exporter); with
+    --sample-ratio it keeps that share of the fast traces (otherwise 1 %); with --export-batch
+    its batch span processor exports at most that many spans at a time (otherwise 512)."""
+    env: dict[str, str] = {}
+    if trace_file is not None:
+        env["RISKSERVE_TRACE_FILE"] = str(trace_file)
+    if args.sample_ratio is not None:
+        env["RISKSERVE_TRACE_SAMPLE_RATIO"] = f"{args.sample_ratio:g}"
+    if args.export_batch is not None:
+        env["OTEL_BSP_MAX_EXPORT_BATCH_SIZE"] = str(args.export_batch)
+    return env
 
 
 def _cpu_ms(point: PointResult, cpu_s: float) -> float:
@@ -537,7 +571,7 @@ def in_legs(
             if trace_file is not None:
                 trace_file.unlink(missing_ok=True)  # each leg's kept traces, not every run's
             servers = _start_servers(
-                stack, order, args.riskserve_budget_ms, trace_file, args.sample_ratio
+                stack, order, args.riskserve_budget_ms, _tracing_env(args, trace_file)
             )
             targets = {label: servers[label].target for label in labels}
             asyncio.run(
@@ -585,6 +619,7 @@ def in_legs(
             "export": args.export,
             # Only when set, so runs at the default pool with those saved before the option.
             **({"sample_ratio": args.sample_ratio} if args.sample_ratio is not None else {}),
+            **({"export_batch": args.export_batch} if args.export_batch is not None else {}),
         },
         seeds=[args.seed],
     )
@@ -690,6 +725,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--sample-ratio",
         type=float,
         help="parts 3 and 4: the tracing-on server's share of fast traces kept (default 0.01)",
+    )
+    parser.add_argument(
+        "--export-batch",
+        type=int,
+        help="parts 3 and 4: the most spans the tracing-on server exports at once "
+        "(OTEL_BSP_MAX_EXPORT_BATCH_SIZE; default 512)",
     )
     parser.add_argument(
         "--save", type=Path, help="part 3 or 4: keep every latency in this .npz file, to pool"

@@ -1,14 +1,22 @@
 """The tracing benchmark's statistics: its two-level bootstrap, its turn-taking schedule, and
-the runs it keeps (--save) and pools (--pool)."""
+the runs it keeps (--save) and pools (--pool); that its in-process part runs, and what the
+tracing-on server is given."""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bench.tracing_overhead import Legs, _taking_turns, block_bootstrap
+from bench.tracing_overhead import (
+    Legs,
+    _taking_turns,
+    _tracing_env,
+    block_bootstrap,
+    recording,
+)
 
 
 def _instants(legs: int, blocks: int, per_block: int) -> tuple[np.ndarray, np.ndarray]:
@@ -145,3 +153,26 @@ def test_one_run_given_twice_is_not_pooled():
     run = _run(2, 0.0, seed=1)
     with pytest.raises(ValueError, match="seed comes twice"):
         Legs.pooled([run, run])
+
+
+def test_the_recording_part_times_every_way_it_names():
+    costs = recording(requests=64, repeats=1)
+    assert set(costs) == {
+        "riskserve tracing, ratio 0.01 (deployed)",
+        "riskserve tracing, every trace exported",
+        "SDK spans, 2 per request, all exported",
+        "ratio 0.01, caches cold",
+        "every trace exported, caches cold",
+    }
+    assert all(0 < seconds < 0.01 for seconds in costs.values())
+
+
+def test_the_tracing_on_server_gets_only_the_settings_given(tmp_path: Path):
+    args = argparse.Namespace(sample_ratio=None, export_batch=None)
+    assert _tracing_env(args, None) == {}
+    args = argparse.Namespace(sample_ratio=1.0, export_batch=64)
+    assert _tracing_env(args, tmp_path / "t.jsonl") == {
+        "RISKSERVE_TRACE_FILE": str(tmp_path / "t.jsonl"),
+        "RISKSERVE_TRACE_SAMPLE_RATIO": "1",
+        "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "64",
+    }
