@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from wsgiref.simple_server import WSGIServer
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.environment_variables import OTEL_BSP_MAX_EXPORT_BATCH_SIZE
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -129,9 +131,18 @@ def setup_telemetry(
     )
 
 
+# The most spans one export takes, where OTEL_BSP_MAX_EXPORT_BATCH_SIZE does not say (the SDK's
+# own default is 512). The exporter's thread holds the GIL while it encodes a batch, and the
+# event loop waits for it: 512 spans to JSON lines take about 5 ms here, which showed in the p99
+# when every trace was kept (docs/benchmarks.md). Each export ends in I/O, which gives the GIL
+# back, so smaller batches keep the loop's waits short; the time spent exporting is the same.
+EXPORT_BATCH_SPANS = 64
+
+
 def _export_processor(exporters: Sequence[SpanExporter]) -> SpanProcessor:
     """One BatchSpanProcessor per exporter, behind a single processor."""
+    batch = None if os.environ.get(OTEL_BSP_MAX_EXPORT_BATCH_SIZE) else EXPORT_BATCH_SPANS
     multi = SynchronousMultiSpanProcessor()
     for exporter in exporters:
-        multi.add_span_processor(BatchSpanProcessor(exporter))
+        multi.add_span_processor(BatchSpanProcessor(exporter, max_export_batch_size=batch))
     return multi

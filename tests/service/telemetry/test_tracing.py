@@ -9,9 +9,12 @@ from pathlib import Path
 import grpc
 import pytest
 from opentelemetry import trace
+from opentelemetry.sdk.environment_variables import OTEL_BSP_MAX_EXPORT_BATCH_SIZE
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from telemetry_echo import call, echo_server
 
 from service.telemetry import SAMPLED_REASON_ATTRIBUTE, TelemetryConfig, setup_telemetry
+from service.telemetry.bootstrap import EXPORT_BATCH_SPANS
 
 OTLP_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
 OTLP_SERVER_KIND = 2  # SPAN_KIND_SERVER
@@ -134,6 +137,30 @@ def test_export_all_sends_every_span(otlp_env):
     assert telemetry.tracing.stats().kept_by_reason == {"all": 5}
     assert len(otlp_env.spans) == 10
     assert all(SAMPLED_REASON_ATTRIBUTE not in s.attributes for s in otlp_env.spans)
+
+
+class _BatchSizes(SpanExporter):
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def export(self, spans) -> SpanExportResult:
+        self.sizes.append(len(spans))
+        return SpanExportResult.SUCCESS
+
+
+@pytest.mark.parametrize(("variable", "largest"), [(None, EXPORT_BATCH_SPANS), ("100", 100)])
+def test_spans_are_exported_in_small_batches_unless_the_variable_says(
+    monkeypatch, variable, largest
+):
+    if variable is None:
+        monkeypatch.delenv(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, raising=False)
+    else:
+        monkeypatch.setenv(OTEL_BSP_MAX_EXPORT_BATCH_SIZE, variable)
+    exporter = _BatchSizes()
+    telemetry = setup_telemetry(_config(trace_export_all=True), span_exporters=[exporter])
+    _run(telemetry, [b"sleep:0"] * 150)
+    assert sum(exporter.sizes) == 300  # each call's server span and its child
+    assert max(exporter.sizes) == largest
 
 
 def test_file_exporter_is_the_default_and_writes_json_lines(tmp_path: Path, monkeypatch):
