@@ -269,7 +269,7 @@ def _tracing_env(args: argparse.Namespace, trace_file: Path | None) -> dict[str,
     """The tracing-on server's settings for parts 3 and 4: with `trace_file` it writes its kept
     traces there, as the embedded default does (otherwise they go to no exporter); with
     --sample-ratio it keeps that share of the fast traces (otherwise 1 %); with --export-batch
-    its batch span processor exports at most that many spans at a time (otherwise 512)."""
+    its batch span processor exports at most that many spans at a time (otherwise 64)."""
     env: dict[str, str] = {}
     if trace_file is not None:
         env["RISKSERVE_TRACE_FILE"] = str(trace_file)
@@ -730,7 +730,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--export-batch",
         type=int,
         help="parts 3 and 4: the most spans the tracing-on server exports at once "
-        "(OTEL_BSP_MAX_EXPORT_BATCH_SIZE; default 512)",
+        "(OTEL_BSP_MAX_EXPORT_BATCH_SIZE; default 64)",
     )
     parser.add_argument(
         "--save", type=Path, help="part 3 or 4: keep every latency in this .npz file, to pool"
