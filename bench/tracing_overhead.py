@@ -7,6 +7,8 @@
    need. Median of interleaved repeats. The first three run hot, in a tight loop; the two
    "caches cold" rows time each batch of requests after 128 MB has been written over, as a
    live server's requests meet caches that other work has filled since the request before.
+   The last row is the exporter thread's share when every trace is kept: writing a request's
+   spans (4 and an eighth: server, three stages, a share of the batch) to a JSON-lines file.
 2. End to end: riskserve with tracing on and off (RISKSERVE_TRACING), both running and driven
    at the same moment, each by its own perf_analyzer, for `--rounds` rounds: at closed-loop
    concurrency `--concurrency` (the most each serves while sharing the cores) and at the
@@ -57,6 +59,7 @@ import math
 import random
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -67,8 +70,13 @@ from typing import Any
 import grpc
 import numpy as np
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanKind
@@ -81,6 +89,8 @@ from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.results import PointResult
 from bench.servers import ServerProcess
 from service.telemetry import RequestTrace, TailSamplingPolicy, Tracing
+from service.telemetry.bootstrap import EXPORT_BATCH_SPANS
+from service.telemetry.jsonl_exporter import JsonLinesSpanExporter
 
 BATCH_REQUESTS = 8
 EVICT_BYTES = 128 << 20  # written over between batches: several times a server CPU's caches
@@ -92,12 +102,21 @@ class DiscardingExporter(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-def _tracing(**policy: object) -> Tracing:
+class KeepingExporter(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+
+def _tracing(processor: SpanProcessor | None = None, **policy: object) -> Tracing:
     values: dict = {"slow_threshold_ns": 5_000_000, "sample_ratio": 0.01}
     values.update(policy)
     return Tracing(
         TailSamplingPolicy(**values),
-        BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 16),
+        processor or BatchSpanProcessor(DiscardingExporter(), max_queue_size=1 << 16),
         Resource.create({}),
         InstrumentationScope("bench"),
     )
@@ -139,6 +158,23 @@ def _record_batch(tracing: Tracing) -> None:
         tracing.end_request(trace, 0)
 
 
+def _jsonl_writing(requests: int) -> float:
+    """Seconds per request for the exporter's thread to write, as JSON lines in the server's
+    export batches, the spans of a request whose trace is kept (here every trace is)."""
+    kept = KeepingExporter()
+    tracing = _tracing(SimpleSpanProcessor(kept), export_all=True)
+    for _ in range(requests // BATCH_REQUESTS):
+        _record_batch(tracing)
+    with tempfile.TemporaryDirectory() as directory:
+        exporter = JsonLinesSpanExporter(Path(directory) / "spans.jsonl")
+        started = time.perf_counter()
+        for first in range(0, len(kept.spans), EXPORT_BATCH_SPANS):
+            exporter.export(kept.spans[first : first + EXPORT_BATCH_SPANS])
+        took = time.perf_counter() - started
+        exporter.shutdown()
+    return took / requests
+
+
 def _scored_details(trace: RequestTrace, attributes: dict, model: str, now: int) -> None:
     """As the service's: what a kept trace adds on export (attributes, queue and score)."""
     attributes["riskserve.model"] = model
@@ -173,6 +209,7 @@ def recording(requests: int, repeats: int) -> dict[str, float]:
         "every trace exported, caches cold": lambda: _record_cold(
             _tracing(export_all=True), requests, evict
         ),
+        "JSON lines, a kept request's spans written": lambda: _jsonl_writing(requests),
     }
     results: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):  # interleaved, so drift in machine load hits them alike
