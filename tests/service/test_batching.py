@@ -169,7 +169,8 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
     import asyncio
     import threading
     import time
-    from collections.abc import Callable
+
+    from waiting import until
 
     from service.batcher import BatchOutcome, MicroBatcher
     from service.codec import RowBatch
@@ -189,24 +190,17 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
             np.ones((1, length), np.float32),
         )
 
-    async def until(condition: Callable[[], bool]) -> None:
-        # Wait on what the scenario needs, not a fixed time: a loaded machine may be slow.
-        limit = time.monotonic() + 5
-        while not condition():
-            assert time.monotonic() < limit, "the batcher never got there"
-            await asyncio.sleep(0.002)
-
     async def scenario() -> list[float]:
         batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1)
         batcher.start()
         deadline = time.monotonic() + 5
         first = asyncio.create_task(batcher.submit(rows_of(8), deadline))
-        await until(lambda: len(shapes) == 1)  # the engine is now busy with the first batch
+        await until(lambda: len(shapes) == 1, 5)  # the engine is now busy with the first batch
         queued = [
             asyncio.create_task(batcher.submit(rows_of(length), deadline + 0.1 * i))
             for i, length in enumerate((8, 64, 8, 8))
         ]
-        await until(lambda: batcher.queued_rows == 4)
+        await until(lambda: batcher.queued_rows == 4, 5)
         release.set()
         scores = [float(s.scores[0]) for s in await asyncio.gather(first, *queued)]
         await batcher.close(1.0)

@@ -14,6 +14,7 @@ import onnxruntime as ort
 import pyarrow.dataset as pads
 import pytest
 from modelkit import write_sequence_model
+from waiting import until
 
 from service.shadow import ShadowJob, ShadowRunner
 
@@ -61,13 +62,6 @@ def runner_for(models: Path, logs: Path, **options: float) -> ShadowRunner:
         return path
 
     return ShadowRunner(version_dir, str(logs), replica_id="host-1-shadow", **options)  # type: ignore[arg-type]
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.02)
 
 
 def records(logs: Path) -> list[dict[str, object]]:

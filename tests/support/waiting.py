@@ -1,0 +1,15 @@
+"""Waiting in a test on what it needs to see, not for a fixed time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+
+async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Return once `condition()` holds; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
