@@ -14,9 +14,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "Explanations",
+    "FeatureExplanation",
+    "HistoryExplanation",
     "HistorySpec",
     "Manifest",
     "ProfileSpec",
+    "ReasonCode",
     "Thresholds",
     "Tolerance",
     "load_manifest",
@@ -78,6 +82,97 @@ class Tolerance(_Frozen):
     flip_rate: float = 0.01
 
 
+_CODE_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"
+
+
+class FeatureExplanation(_Frozen):
+    """A feature's baseline and the reason code it is reported under."""
+
+    baseline: float | None = Field(
+        None, description="Value that stands for 'nothing unusual' (e.g. the population median)."
+    )
+    code: str | None = Field(
+        None, pattern=_CODE_PATTERN, description="Reason code; features may share one."
+    )
+    text: str | None = Field(
+        None, min_length=1, description="The code's text; needed once per code, equal if repeated."
+    )
+
+
+class HistoryExplanation(_Frozen):
+    """The history as one group: occluded by replacing it with an empty history."""
+
+    baseline: Literal["empty"] = Field(
+        "empty", description="empty: no rows (all masked), what the model sees for new accounts."
+    )
+    code: str = Field(pattern=_CODE_PATTERN)
+    text: str | None = Field(None, min_length=1)
+
+
+class Explanations(_Frozen):
+    """Baselines and reason codes for occlusion reasons (see docs/explanations.md)."""
+
+    features: dict[str, FeatureExplanation] = Field(default_factory=dict)
+    history: HistoryExplanation | None = None
+
+
+class ReasonCode(_Frozen):
+    """One code as it is explained: its features, occluded together, and their baselines."""
+
+    code: str
+    text: str
+    features: tuple[str, ...]  # manifest order
+    baselines: tuple[float, ...]
+    history: bool
+
+
+def _reason_codes(manifest: Manifest) -> tuple[ReasonCode, ...]:
+    """Check the explanations against the features and group them by code, sorted by code."""
+    spec = manifest.explanations
+    if spec is None:
+        return ()
+    known = set(manifest.features)
+    unknown = sorted(set(spec.features) - known)
+    if unknown:
+        raise ValueError(f"explanations.features[{unknown[0]!r}]: not a feature of this model")
+    if spec.history is not None and manifest.history is None:
+        raise ValueError("explanations.history: this model takes no history")
+    members: dict[str, list[tuple[str, FeatureExplanation | HistoryExplanation]]] = {}
+    for name in manifest.features:
+        entry = spec.features.get(name)
+        if entry is None:
+            continue
+        if entry.code is None:
+            if entry.text is not None:
+                raise ValueError(f"explanations.features[{name!r}].text: given without a code")
+            continue
+        if entry.baseline is None:
+            raise ValueError(
+                f"explanations.features[{name!r}]: code {entry.code!r} needs a baseline"
+            )
+        members.setdefault(entry.code, []).append((name, entry))
+    if spec.history is not None:
+        members.setdefault(spec.history.code, []).append(("history", spec.history))
+    codes = []
+    for code in sorted(members):
+        texts = {e.text for _, e in members[code] if e.text is not None}
+        if not texts:
+            raise ValueError(f"explanations: code {code!r} has no text")
+        if len(texts) > 1:
+            raise ValueError(f"explanations: code {code!r} has conflicting texts {sorted(texts)}")
+        features = tuple(n for n, e in members[code] if isinstance(e, FeatureExplanation))
+        codes.append(
+            ReasonCode(
+                code=code,
+                text=texts.pop(),
+                features=features,
+                baselines=tuple(spec.features[n].baseline or 0.0 for n in features),
+                history=any(isinstance(e, HistoryExplanation) for _, e in members[code]),
+            )
+        )
+    return tuple(codes)
+
+
 class Manifest(_Frozen):
     """Everything the server needs to know about one model version besides its weights."""
 
@@ -104,10 +199,23 @@ class Manifest(_Frozen):
     )
     calibration: str | None = Field(None, description="npz file of representative inputs.")
     tolerance: Tolerance = Tolerance()
+    explanations: Explanations | None = Field(
+        None, description="Baselines and reason codes; without them requests get no reasons."
+    )
+
+    @model_validator(mode="after")
+    def _explanations_valid(self) -> Manifest:
+        _reason_codes(self)
+        return self
 
     @property
     def n_features(self) -> int:
         return len(self.features)
+
+    @property
+    def reason_codes(self) -> tuple[ReasonCode, ...]:
+        """The declared reason codes, sorted by code (empty when none are declared)."""
+        return _reason_codes(self)
 
 
 def load_manifest(model_dir: Path) -> Manifest:

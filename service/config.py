@@ -12,7 +12,7 @@ import json
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
@@ -148,6 +148,11 @@ class Settings(BaseSettings):
     )
     stats_interval_s: float = Field(
         0.0, ge=0, description="Log live p50/p99 per stage this often; 0 disables."
+    )
+    explain_when: Literal["always", "adverse"] = Field(
+        "adverse",
+        description="When requests asking for reasons get them, unless they say: always, or "
+        "only for REVIEW and DECLINE decisions.",
     )
     warmup_iterations: int = Field(
         3, ge=0, description="Timed runs per batch size at start, seeding the latency model."

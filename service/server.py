@@ -194,7 +194,12 @@ async def build_server(
     server = grpc.aio.server(options=options, interceptors=interceptors)
     oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version(), telemetry)
     risk_servicer = RiskScoringServicer(
-        registry, settings.default_model, settings.budget_s, experiments, telemetry
+        registry,
+        settings.default_model,
+        settings.budget_s,
+        experiments,
+        telemetry,
+        explain_when=settings.explain_when,
     )
     server.add_generic_rpc_handlers(
         (

@@ -9,6 +9,7 @@ import grpc
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+from service import explain
 from service.batcher import Scored
 from service.codec import DECISIONS, decode_score_batch, decode_score_request
 from service.experiments import Experiments
@@ -35,7 +36,9 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         budget_s: float,
         experiments: Experiments | None = None,
         telemetry: Telemetry | None = None,
+        explain_when: explain.ExplainWhen = "adverse",
     ) -> None:
+        self._explain_when: explain.ExplainWhen = explain_when
         self.telemetry = telemetry
         self._registry = registry
         self._default_model = default_model
@@ -61,8 +64,17 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         decode_started_ns = time.monotonic_ns()
         rows = decode_score_request(request, model.manifest)
         note_validated(decode_started_ns)
-        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        # Without explain_top_k this is the plain submit of the request's row.
+        scored, reasons = await explain.score_explained(
+            model.batcher.submit,
+            model.manifest,
+            request,
+            rows,
+            deadline_for(context, self._budget_s),
+            self._explain_when,
+        )
         reply = _response(request.request_id, model, scored, 0, started)
+        explain.encode_reasons(reply, reasons)
         note_scored(
             self.telemetry, model.name, model.version, scored, pb.Decision.Name(reply.decision)
         )
@@ -85,6 +97,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         started = time.perf_counter()
         note_model(request.model or self._default_model, request.model_version)
         model = self._model(request.model, request.model_version)
+        explain.check_batch(request)
         decode_started_ns = time.monotonic_ns()
         rows = decode_score_batch(request, model.manifest)
         note_validated(decode_started_ns)

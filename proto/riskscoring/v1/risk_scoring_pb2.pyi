@@ -7,12 +7,21 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ExplainWhen(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXPLAIN_WHEN_UNSPECIFIED: _ClassVar[ExplainWhen]
+    EXPLAIN_ALWAYS: _ClassVar[ExplainWhen]
+    EXPLAIN_ADVERSE: _ClassVar[ExplainWhen]
+
 class Decision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     DECISION_UNSPECIFIED: _ClassVar[Decision]
     APPROVE: _ClassVar[Decision]
     REVIEW: _ClassVar[Decision]
     DECLINE: _ClassVar[Decision]
+EXPLAIN_WHEN_UNSPECIFIED: ExplainWhen
+EXPLAIN_ALWAYS: ExplainWhen
+EXPLAIN_ADVERSE: ExplainWhen
 DECISION_UNSPECIFIED: Decision
 APPROVE: Decision
 REVIEW: Decision
@@ -25,7 +34,7 @@ class HistoryRow(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "entity_id", "model", "model_version", "features", "history")
+    __slots__ = ("request_id", "entity_id", "model", "model_version", "features", "history", "explain_top_k", "explain_when")
     class FeaturesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,13 +48,29 @@ class ScoreRequest(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_TOP_K_FIELD_NUMBER: _ClassVar[int]
+    EXPLAIN_WHEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entity_id: str
     model: str
     model_version: str
     features: _containers.ScalarMap[str, float]
     history: _containers.RepeatedCompositeFieldContainer[HistoryRow]
-    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., features: _Optional[_Mapping[str, float]] = ..., history: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ...) -> None: ...
+    explain_top_k: int
+    explain_when: ExplainWhen
+    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., features: _Optional[_Mapping[str, float]] = ..., history: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ..., explain_top_k: _Optional[int] = ..., explain_when: _Optional[_Union[ExplainWhen, str]] = ...) -> None: ...
+
+class Reason(_message.Message):
+    __slots__ = ("code", "text", "features", "contribution")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTION_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    text: str
+    features: _containers.RepeatedScalarFieldContainer[str]
+    contribution: float
+    def __init__(self, code: _Optional[str] = ..., text: _Optional[str] = ..., features: _Optional[_Iterable[str]] = ..., contribution: _Optional[float] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("total_us", "queue_us", "engine_us", "batch_size")
@@ -60,7 +85,7 @@ class Timings(_message.Message):
     def __init__(self, total_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., engine_us: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "score", "decision", "model", "model_version", "engine", "fallback_reason", "timings", "degraded")
+    __slots__ = ("request_id", "score", "decision", "model", "model_version", "engine", "fallback_reason", "timings", "degraded", "reasons")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +95,7 @@ class ScoreResponse(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    REASONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     score: float
     decision: Decision
@@ -79,7 +105,8 @@ class ScoreResponse(_message.Message):
     fallback_reason: str
     timings: Timings
     degraded: bool
-    def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., degraded: _Optional[bool] = ...) -> None: ...
+    reasons: _containers.RepeatedCompositeFieldContainer[Reason]
+    def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., degraded: _Optional[bool] = ..., reasons: _Optional[_Iterable[_Union[Reason, _Mapping]]] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
     __slots__ = ("model", "model_version", "requests")
