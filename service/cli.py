@@ -61,11 +61,18 @@ def _score(args: argparse.Namespace) -> int:
                 reply: Any = stub.ScoreBatch(batch, timeout=args.timeout_s)
             else:
                 request = json_format.ParseDict(payload, pb.ScoreRequest())
+                if args.explain:
+                    request.explain_top_k, request.explain_when = args.top_k, pb.EXPLAIN_ALWAYS
                 reply = stub.Score(request, timeout=args.timeout_s)
         except grpc.RpcError as exc:
             print(json.dumps({"code": exc.code().name, "message": exc.details()}), file=sys.stderr)
             return 1
     print(json.dumps(json_format.MessageToDict(reply), indent=2))
+    for reason in getattr(reply, "reasons", ()):  # readable beside the JSON, which keeps stdout
+        names = ", ".join(reason.features)
+        print(
+            f"{reason.code}  {reason.contribution:+.3f}  {reason.text}  ({names})", file=sys.stderr
+        )
     return 0
 
 
@@ -196,6 +203,10 @@ def _parser() -> argparse.ArgumentParser:
         client.add_argument("--timeout-s", type=float, default=5.0)
         if name == "score":
             client.add_argument("request", help="JSON text, a file, or - for stdin")
+            client.add_argument(
+                "--explain", action="store_true", help="ask for reasons, printed to stderr"
+            )
+            client.add_argument("--top-k", type=int, default=3, help="reasons with --explain")
         else:
             client.add_argument("--model", default="")
         client.set_defaults(run=run)

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
 import numpy as np
 import onnx
 import pytest
+from google.protobuf import json_format
 from liveserver import LiveServer
 from modelkit import write_sequence_model, write_tabular_model
 from onnx import numpy_helper
@@ -65,11 +68,14 @@ def models(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stub(models):
-    with (
-        LiveServer(models_dir=models, budget_ms=5000, onnx_variants=False) as server,
-        server.channel() as channel,
-    ):
+def server(models):
+    with LiveServer(models_dir=models, budget_ms=5000, onnx_variants=False) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def stub(server):
+    with server.channel() as channel:
         yield pb_grpc.RiskScoringStub(channel)
 
 
@@ -273,3 +279,22 @@ def test_explain_refused_where_it_cannot_be_given(stub):
     )
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "explain_when" in error.details()
+
+
+def test_cli_explain_prints_the_reasons(server, demo_data):
+    flagged = int(np.flatnonzero(demo_data.labels == 1)[0])
+    request = json_format.MessageToJson(_demo_request(demo_data, flagged))
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "score", "--target", server.target, "--explain", "-"],
+        input=request,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    reasons = json.loads(done.stdout)["reasons"]
+    assert 1 <= len(reasons) <= 3
+    lines = done.stderr.strip().splitlines()[-len(reasons) :]
+    for reason, line in zip(reasons, lines, strict=True):
+        assert line.startswith(f"{reason['code']}  +") and reason["text"] in line
