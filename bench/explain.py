@@ -1,0 +1,244 @@
+"""What reason codes cost: Score latency and server CPU with and without explanations.
+
+Configurations, each on a fresh `riskserve serve` of the demo model, in turn:
+
+- ``plain``: unexplained Score requests at ``--rate``;
+- ``explained``: every request asks for 3 reasons (EXPLAIN_ALWAYS) under the demo manifest's
+  14 codes (13 feature groups and the history): a block of 15 rows per request;
+- ``explained-33``: the same with one code per feature (31) plus the history: 33 rows a request;
+- ``adverse``: every request asks for 3 reasons with EXPLAIN_ADVERSE (the server's default mode):
+  the row is scored alone, and only REVIEW and DECLINE decisions send the 15-row block;
+- ``mixed``: unexplained requests at ``--rate`` and, at the same time, explained ones (15 rows)
+  at ``--mix-rate``; the unexplained requests' p99 is compared with ``plain``'s.
+
+Load: open-loop Poisson arrivals from one client process on the same machine, latency from each
+request's scheduled send time (a client that falls behind shows as latency). Requests carry a
+1 s gRPC deadline, so nothing is shed and the whole latency distribution is seen. Histories are
+cut to ``--max-history`` rows. Server CPU is the server process group's user + system time during
+the timed load, divided by the requests sent in it.
+
+    .venv/bin/python -m bench.explain --rate 200 --mix-rate 100 --duration-s 10 --repeats 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench.servers import ServerProcess, ServerSpec, free_port
+from demo.generator import FEATURE_NAMES, generate
+from riskscoring.v1 import risk_scoring_pb2 as pb
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = REPO / "models" / "fraud-demo" / "1"
+WARMUP_REQUESTS = 100
+TOP_K = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    per_feature: bool  # one code per feature (33 rows) instead of the demo's codes (15 rows)
+    plain: bool  # unexplained requests at --rate
+    explained: str  # "", or the explained requests' mode (at --rate, or --mix-rate beside plain)
+
+
+CONFIGS = {
+    "plain": Config(per_feature=False, plain=True, explained=""),
+    "explained": Config(per_feature=False, plain=False, explained="always"),
+    "explained-33": Config(per_feature=True, plain=False, explained="always"),
+    "adverse": Config(per_feature=False, plain=False, explained="adverse"),
+    "mixed": Config(per_feature=False, plain=True, explained="always"),
+}
+WHEN = {"always": pb.EXPLAIN_ALWAYS, "adverse": pb.EXPLAIN_ADVERSE}
+
+
+def _models(root: Path, per_feature: bool) -> Path:
+    target = root / "fraud-demo" / "1"
+    shutil.copytree(DEMO, target)
+    if per_feature:
+        path = target / "manifest.json"
+        manifest = json.loads(path.read_text())
+        features = manifest["explanations"]["features"]
+        for i, name in enumerate(manifest["features"]):
+            features[name] |= {"code": f"F{i:02d}", "text": name}
+        path.write_text(json.dumps(manifest))
+    return root
+
+
+def _payloads(n: int, max_history: int, explained: str) -> list[bytes]:
+    data = generate(n, seed=5_000_011)
+    out = []
+    for i in range(n):
+        request = pb.ScoreRequest(
+            request_id=f"e{i}",
+            entity_id=data.entity_ids[i],
+            features={k: float(v) for k, v in zip(FEATURE_NAMES, data.features[i], strict=True)},
+            history=[pb.HistoryRow(values=r.tolist()) for r in data.histories[i][:max_history]],
+        )
+        if explained:
+            request.explain_top_k, request.explain_when = TOP_K, WHEN[explained]
+        out.append(request.SerializeToString())
+    return out
+
+
+def _offsets(rate_rps: float, duration_s: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    offsets = np.cumsum(rng.exponential(1.0 / rate_rps, int(rate_rps * duration_s * 1.3) + 8))
+    return offsets[offsets < duration_s]
+
+
+@dataclass
+class _Stream:
+    """One kind of request in a run: what was sent and how it went."""
+
+    payloads: list[bytes]
+    offsets: np.ndarray
+    latencies_s: list[float] = field(default_factory=list)
+    server_us: list[int] = field(default_factory=list)
+    batch_rows: list[int] = field(default_factory=list)
+    reasons: list[int] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+
+
+async def _load(target: str, streams: list[_Stream], on_start) -> None:
+    async with grpc.aio.insecure_channel(target) as channel:
+        call = channel.unary_unary(
+            "/riskscoring.v1.RiskScoring/Score", response_deserializer=pb.ScoreResponse.FromString
+        )
+        for stream in streams:
+            for payload in stream.payloads[:WARMUP_REQUESTS]:
+                await call(payload, timeout=5)
+        await asyncio.sleep(0.5)
+        on_start()
+        start = time.perf_counter() + 0.1
+
+        async def one(stream: _Stream, i: int, at: float) -> None:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                reply = await call(stream.payloads[i % len(stream.payloads)], timeout=1.0)
+            except grpc.aio.AioRpcError as exc:
+                stream.errors[exc.code().name] = stream.errors.get(exc.code().name, 0) + 1
+                return
+            stream.latencies_s.append(time.perf_counter() - (start + at))
+            stream.server_us.append(reply.timings.total_us)
+            stream.batch_rows.append(reply.timings.batch_size)
+            stream.reasons.append(len(reply.reasons))
+
+        await asyncio.gather(
+            *(one(s, i, float(at)) for s in streams for i, at in enumerate(s.offsets))
+        )
+
+
+def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, list[bytes]]):
+    config = CONFIGS[name]
+    root = _models(tmp / name, config.per_feature)
+    port = free_port()
+    spec = ServerSpec(
+        name=name,
+        argv=(str(REPO / ".venv" / "bin" / "riskserve"), "serve", "--port", str(port)),
+        grpc_port=port,
+        model_name="fraud-demo",
+        env={
+            "RISKSERVE_MODELS_DIR": str(root),
+            "RISKSERVE_METRICS_PORT": "none",
+            "RISKSERVE_TRACE_FILE": "none",
+        },
+        cwd=REPO,
+    )
+    streams: dict[str, _Stream] = {}
+    if config.plain:
+        streams["plain"] = _Stream(payloads[""], _offsets(args.rate, args.duration_s, 11))
+    if config.explained:
+        rate = args.mix_rate if config.plain else args.rate
+        offsets = _offsets(rate, args.duration_s, 12)
+        streams["explained"] = _Stream(payloads[config.explained], offsets)
+    log = REPO / "bench" / "results" / f"explain_{port}.log"
+    with ServerProcess(spec, log) as server:
+        before: list[float] = []
+        asyncio.run(
+            _load(
+                server.target, list(streams.values()), lambda: before.append(server.cpu_seconds())
+            )
+        )
+        cpu_s = server.cpu_seconds() - before[0]
+    sent = sum(len(s.offsets) for s in streams.values())
+    rows = []
+    for kind, stream in streams.items():
+        ms = np.array(stream.latencies_s) * 1e3
+        p50, p99 = np.percentile(ms, [50, 99]) if ms.size else (float("nan"),) * 2
+        rows.append(
+            dict(
+                config=name, kind=kind, sent=len(stream.offsets), ok=int(ms.size),
+                errors=stream.errors, p50=float(p50), p99=float(p99),
+                server_p99=float(np.percentile(stream.server_us, 99) / 1e3)
+                if stream.server_us else float("nan"),
+                batch_rows=float(np.mean(stream.batch_rows)) if stream.batch_rows else 0.0,
+                with_reasons=float(np.mean(np.array(stream.reasons) > 0))
+                if stream.reasons else 0.0,
+                cpu_ms_per_request=cpu_s * 1e3 / sent,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.explain", description=__doc__)
+    parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the main stream")
+    parser.add_argument("--mix-rate", type=float, default=100.0, help="explained req/s in mixed")
+    parser.add_argument("--duration-s", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--max-history", type=int, default=32)
+    parser.add_argument("--only", action="append", choices=sorted(CONFIGS))
+    args = parser.parse_args(argv)
+    payloads = {e: _payloads(500, args.max_history, e) for e in ("", *WHEN)}
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for name in args.only or CONFIGS:
+                for row in _run(name, args, Path(tmp) / str(repeat), payloads):
+                    runs.append({**row, "repeat": repeat + 1})
+                    print(json.dumps(runs[-1]), flush=True)
+    print(
+        f"\nScore on fraud-demo, history <= {args.max_history} rows, {args.duration_s:g} s a run, "
+        f"open loop; explained = {TOP_K} reasons, EXPLAIN_ALWAYS (adverse: EXPLAIN_ADVERSE); "
+        f"mixed = plain at {args.rate:g} + explained at {args.mix_rate:g} req/s"
+    )
+    print(
+        "| config | run | requests | rate req/s | sent | ok | errors | p50 ms | p99 ms "
+        "| p99 vs plain | server p99 ms | rows / batch | with reasons | server CPU ms / request |"
+    )
+    print("|" + " --- |" * 14)
+    for r in runs:
+        base = next(
+            (b["p99"] for b in runs
+             if b["config"] == "plain" and b["repeat"] == r["repeat"]),
+            None,
+        )  # fmt: skip
+        delta = (
+            f"{r['p99'] - base:+.2f}"
+            if r["kind"] == "plain" and r["config"] != "plain" and base is not None
+            else "-"
+        )
+        rate = args.mix_rate if r["config"] == "mixed" and r["kind"] == "explained" else args.rate
+        cpu = f"{r['cpu_ms_per_request']:.2f}" + (" (both)" if r["config"] == "mixed" else "")
+        print(
+            f"| {r['config']} | {r['repeat']} | {r['kind']} | {rate:g} | {r['sent']} | {r['ok']} "
+            f"| {r['errors'] or '-'} | {r['p50']:.2f} | {r['p99']:.2f} | {delta} "
+            f"| {r['server_p99']:.2f} | {r['batch_rows']:.1f} | {r['with_reasons']:.0%} | {cpu} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
