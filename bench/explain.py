@@ -9,7 +9,9 @@ Configurations, each on a fresh `riskserve serve` of the demo model, in turn:
 - ``adverse``: every request asks for 3 reasons with EXPLAIN_ADVERSE (the server's default mode):
   the row is scored alone, and only REVIEW and DECLINE decisions send the 15-row block;
 - ``mixed``: unexplained requests at ``--rate`` and, at the same time, explained ones (15 rows)
-  at ``--mix-rate``; the unexplained requests' p99 is compared with ``plain``'s.
+  at ``--mix-rate``; the unexplained requests' p99 is compared with ``plain``'s;
+- ``plain-w2`` and ``mixed-w2``: ``plain`` and ``mixed`` with two engine workers
+  (RISKSERVE_ENGINE_WORKERS=2), so a single row can run beside a block instead of behind it.
 
 Load: open-loop Poisson arrivals from one client process on the same machine, latency from each
 request's scheduled send time (a client that falls behind shows as latency). Requests carry a
@@ -49,6 +51,8 @@ class Config:
     per_feature: bool  # one code per feature (33 rows) instead of the demo's codes (15 rows)
     plain: bool  # unexplained requests at --rate
     explained: str  # "", or the explained requests' mode (at --rate, or --mix-rate beside plain)
+    baseline: str = "plain"  # the configuration whose unexplained p99 this one is compared with
+    env: tuple[tuple[str, str], ...] = ()
 
 
 CONFIGS = {
@@ -57,6 +61,8 @@ CONFIGS = {
     "explained-33": Config(per_feature=True, plain=False, explained="always"),
     "adverse": Config(per_feature=False, plain=False, explained="adverse"),
     "mixed": Config(per_feature=False, plain=True, explained="always"),
+    "plain-w2": Config(False, True, "", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
+    "mixed-w2": Config(False, True, "always", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
 }
 WHEN = {"always": pb.EXPLAIN_ALWAYS, "adverse": pb.EXPLAIN_ADVERSE}
 
@@ -153,6 +159,7 @@ def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, lis
             "RISKSERVE_MODELS_DIR": str(root),
             "RISKSERVE_METRICS_PORT": "none",
             "RISKSERVE_TRACE_FILE": "none",
+            **dict(config.env),
         },
         cwd=REPO,
     )
@@ -222,16 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     for r in runs:
         base = next(
             (b["p99"] for b in runs
-             if b["config"] == "plain" and b["repeat"] == r["repeat"]),
+             if b["config"] == CONFIGS[r["config"]].baseline and b["repeat"] == r["repeat"]),
             None,
         )  # fmt: skip
         delta = (
             f"{r['p99'] - base:+.2f}"
-            if r["kind"] == "plain" and r["config"] != "plain" and base is not None
+            if r["kind"] == "plain"
+            and CONFIGS[r["config"]].baseline != r["config"]
+            and base is not None
             else "-"
         )
-        rate = args.mix_rate if r["config"] == "mixed" and r["kind"] == "explained" else args.rate
-        cpu = f"{r['cpu_ms_per_request']:.2f}" + (" (both)" if r["config"] == "mixed" else "")
+        mixed = CONFIGS[r["config"]].plain and CONFIGS[r["config"]].explained
+        rate = args.mix_rate if mixed and r["kind"] == "explained" else args.rate
+        cpu = f"{r['cpu_ms_per_request']:.2f}" + (" (both)" if mixed else "")
         print(
             f"| {r['config']} | {r['repeat']} | {r['kind']} | {rate:g} | {r['sent']} | {r['ok']} "
             f"| {r['errors'] or '-'} | {r['p50']:.2f} | {r['p99']:.2f} | {delta} "
