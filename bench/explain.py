@@ -10,7 +10,7 @@ Configurations, each on a fresh `riskserve serve` of the demo model, in turn:
   the row is scored alone, and only REVIEW and DECLINE decisions send the 15-row block;
 - ``mixed``: unexplained requests at ``--rate`` and, at the same time, explained ones (15 rows)
   at ``--mix-rate``; the unexplained requests' p99 is compared with ``plain``'s;
-- ``plain-w2`` and ``mixed-w2``: ``plain`` and ``mixed`` with two engine workers
+- ``plain-w2``, ``mixed-w2`` and ``explained-33-w2``: the same with two engine workers
   (RISKSERVE_ENGINE_WORKERS=2), so a single row can run beside a block instead of behind it.
 
 Load: open-loop Poisson arrivals from one client process on the same machine, latency from each
@@ -63,6 +63,9 @@ CONFIGS = {
     "mixed": Config(per_feature=False, plain=True, explained="always"),
     "plain-w2": Config(False, True, "", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
     "mixed-w2": Config(False, True, "always", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
+    "explained-33-w2": Config(
+        True, False, "always", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)
+    ),
 }
 WHEN = {"always": pb.EXPLAIN_ALWAYS, "adverse": pb.EXPLAIN_ADVERSE}
 
