@@ -298,3 +298,22 @@ def test_cli_explain_prints_the_reasons(server, demo_data):
     lines = done.stderr.strip().splitlines()[-len(reasons) :]
     for reason, line in zip(reasons, lines, strict=True):
         assert line.startswith(f"{reason['code']}  +") and reason["text"] in line
+
+
+def test_server_setting_decides_when_the_request_does_not(stub, models):
+    """An APPROVE (score well below review 0.5) asking with EXPLAIN_WHEN_UNSPECIFIED: the default
+    server (adverse) gives no reasons, a server set to `always` does."""
+    w = _weights(models / "lr-explained" / "1")["w"].reshape(-1)
+    # Every coded term positive (adverse) but small: the score stays an APPROVE.
+    x = {f"f{i}": float(b + 0.05 * np.sign(w[i])) for i, b in enumerate((0.5, -0.25, 1.0, 0.0))}
+    x["f4"] = float(-4.0 * np.sign(w[4]))
+    request = pb.ScoreRequest(model="lr-explained", features=x, explain_top_k=3)
+    adverse = stub.Score(request, timeout=10)
+    assert pb.Decision.Name(adverse.decision) == "APPROVE" and not adverse.reasons
+    with (
+        LiveServer(models_dir=models, budget_ms=5000, explain_when="always") as always,
+        always.channel() as channel,
+    ):
+        reply = pb_grpc.RiskScoringStub(channel).Score(request, timeout=10)
+    assert pb.Decision.Name(reply.decision) == "APPROVE"
+    assert [r.code for r in reply.reasons] and all(r.contribution > 0 for r in reply.reasons)
