@@ -20,6 +20,13 @@ cut to ``--max-history`` rows. Server CPU is the server process group's user + s
 the timed load, divided by the requests sent in it.
 
     .venv/bin/python -m bench.explain --rate 200 --mix-rate 100 --duration-s 10 --repeats 2
+
+`--instructions N` instead counts, with valgrind's callgrind, the instructions one `riskserve
+serve` process executes per request over N sequential requests of each kind (plain, explained
+with the demo's codes, explained with one code per feature, adverse mode): server work in a
+figure that other load on the machine does not change.
+
+    .venv/bin/python -m bench.explain --instructions 100
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -202,6 +211,85 @@ def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, lis
     return rows
 
 
+KINDS = {  # kind -> (model, explain mode)
+    "plain": ("fraud-demo", ""),
+    "explained": ("fraud-demo", "always"),
+    "explained-33": ("fraud-demo-each", "always"),
+    "adverse": ("fraud-demo", "adverse"),
+}
+
+
+def _named(payload: bytes, model: str) -> bytes:
+    request = pb.ScoreRequest.FromString(payload)
+    request.model = model
+    return request.SerializeToString()
+
+
+def _callgrind(option: str, value: str, pid: int) -> None:
+    """callgrind_control: switch counting on or off (-i), or dump the counts so far (-d)."""
+    subprocess.run(
+        ["callgrind_control", option, value, str(pid)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+
+
+def count_instructions(requests: int, max_history: int, tmp: Path) -> int:
+    """Callgrind's instruction count per request of each kind, in one server process."""
+    from bench.instructions import callgrind_total
+
+    root = _models(tmp / "counted", per_feature=False)
+    each = _models(tmp / "each", per_feature=True) / "fraud-demo"
+    manifest = json.loads((each / "1" / "manifest.json").read_text())
+    (each / "1" / "manifest.json").write_text(json.dumps(manifest | {"name": "fraud-demo-each"}))
+    shutil.move(each, root / "fraud-demo-each")
+    port = free_port()
+    out_file = REPO / "bench" / "results" / "callgrind" / f"explain-{port}.out"
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    python = REPO / ".venv" / "bin" / "python"
+    spec = ServerSpec(
+        name="riskserve-callgrind",
+        argv=("valgrind", "--tool=callgrind", "--instr-atstart=no",
+              f"--callgrind-out-file={out_file}", str(python), "-m", "service", "serve",
+              "--port", str(port)),
+        grpc_port=port,
+        model_name="fraud-demo",
+        env={"RISKSERVE_MODELS_DIR": str(root), "RISKSERVE_METRICS_PORT": "none",
+             "RISKSERVE_TRACE_FILE": "none", "RISKSERVE_BUDGET_MS": "60000",
+             "RISKSERVE_WARMUP_ITERATIONS": "1"},
+        cwd=REPO,
+        startup_timeout_s=900.0,
+    )  # fmt: skip
+    totals: dict[str, int] = {}
+    explained: dict[str, int] = {}
+    log = REPO / "bench" / "results" / f"explain_callgrind_{port}.log"
+    with ServerProcess(spec, log) as server, grpc.insecure_channel(server.target) as channel:
+        score = channel.unary_unary(
+            "/riskscoring.v1.RiskScoring/Score", response_deserializer=pb.ScoreResponse.FromString
+        )
+        for kind, (model, mode) in KINDS.items():
+            payloads = [_named(p, model) for p in _payloads(requests, max_history, mode)]
+            for payload in payloads[:5]:  # the first calls of a kind warm its paths
+                score(payload, timeout=120)
+            _callgrind("-i", "on", server.pid)
+            explained[kind] = sum(bool(score(p, timeout=120).reasons) for p in payloads)
+            _callgrind("-i", "off", server.pid)
+            _callgrind("-d", kind, server.pid)
+            dumps = sorted(out_file.parent.glob(f"{out_file.name}.*"), key=os.path.getmtime)
+            totals[kind] = callgrind_total(dumps[-1])
+        server.stop(grace_s=300.0)
+    print(f"\ncallgrind, one server process, {requests} sequential Score requests of each kind, "
+          f"history <= {max_history} rows")  # fmt: skip
+    print("| kind | with reasons | M instructions / request | against plain |")
+    print("| --- | --- | --- | --- |")
+    for kind, total in totals.items():
+        ratio = total / totals["plain"]
+        print(
+            f"| {kind} | {explained[kind]} of {requests} | {total / requests / 1e6:.2f} "
+            f"| {ratio:.2f}x |"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.explain", description=__doc__)
     parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the main stream")
@@ -210,7 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--max-history", type=int, default=32)
     parser.add_argument("--only", action="append", choices=sorted(CONFIGS))
+    parser.add_argument("--instructions", type=int, metavar="N", help="count, N requests a kind")
     args = parser.parse_args(argv)
+    if args.instructions:
+        with tempfile.TemporaryDirectory() as tmp:
+            return count_instructions(args.instructions, args.max_history, Path(tmp))
     payloads = {e: _payloads(500, args.max_history, e) for e in ("", *WHEN)}
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
