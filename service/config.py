@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     reload_interval_s: float = Field(
         0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."
     )
+    pinned_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model -> version that answers requests naming none where no experiment "
+        'names a champion (JSON: {"fraud-demo": "3"}); unset models serve their highest.',
+    )
     reload_drain_s: float = Field(
         5.0, ge=0, description="Time the replaced version gets to finish its queue."
     )

@@ -122,6 +122,16 @@ class ExperimentRouter:
         with self._update_lock:
             self._config = config
 
+    def champion(self, model: str) -> str | None:
+        """The version that answers `model`'s requests naming none; None without an experiment."""
+        experiment = self._config.models.get(model)
+        return None if experiment is None else experiment.champion
+
+    def versions(self, model: str) -> tuple[str, ...]:
+        """Every version `model`'s experiment names, the champion first."""
+        experiment = self._config.models.get(model)
+        return () if experiment is None else (experiment.champion, *experiment.challengers)
+
     def route(self, model: str, entity_id: str) -> Route:
         experiment = self._config.models.get(model)
         if experiment is None or not experiment.challengers:
@@ -135,7 +145,9 @@ class ExperimentRouter:
 
 
 def _route_ab(experiment: ModelExperiment, model: str, entity_id: str, log_name: str) -> Route:
-    bucket = stable_unit_interval("ab", experiment.salt, model, entity_id)
+    # Shares are drawn over entities: a request that names none is no entity's, and one bucket
+    # for all of them would hand every anonymous request to the same arm.
+    bucket = stable_unit_interval("ab", experiment.salt, model, entity_id) if entity_id else 1.0
     if bucket >= experiment.ab_share:
         return Route(experiment.champion, (), "champion", "ab", log_name)
     # The challenger share is split evenly among the challengers, in their listed order.
