@@ -69,6 +69,7 @@ class Experiments:
             pass_interval_s=pass_interval_s,
             cpus=shadow_cpus,
         )
+        registry.on_reload(self.runner.forget)  # the worker must score the new files too
         self._watcher: asyncio.Task[None] | None = None
 
     def start(self) -> None:

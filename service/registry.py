@@ -224,11 +224,16 @@ class ModelRegistry:
         self._highest: dict[str, str] = {}
         self._pinned = dict(pinned_versions or {})
         self._experiments: ServingPreference | None = None
+        self._reload_listeners: list[Callable[[str, str], None]] = []
         self.ready = False
 
     def follow(self, experiments: ServingPreference) -> None:
         """Serve each model's experiment champion to requests that name no version."""
         self._experiments = experiments
+
+    def on_reload(self, listener: Callable[[str, str], None]) -> None:
+        """Call `listener(name, version)` whenever a loaded version is swapped for new files."""
+        self._reload_listeners.append(listener)
 
     # -- lookups (event loop) -------------------------------------------------------------
 
@@ -327,6 +332,8 @@ class ModelRegistry:
         old = self.get(name, version)
         model = await self._load(path)
         self._versions[name][version] = model  # one step on the event loop
+        for listener in self._reload_listeners:
+            listener(name, version)
         await self._retire(old, drain_s)
         return model
 

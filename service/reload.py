@@ -2,8 +2,9 @@
 
 `ModelWatcher.scan` looks for two kinds of change:
 
-- a version folder newer than what its model serves (or a model not loaded at all): it is
-  loaded and warmed beside what serves. Whether it then serves is the registry's serving rule:
+- a version folder newer than every loaded version of its model (or of a model not loaded at
+  all), or one that an experiment or a pin names and that is not loaded: it is loaded and
+  warmed beside what serves. Whether it then serves is the registry's serving rule:
   it does when nothing names another version (no experiment champion, no pinned version), and
   the version it replaced is then drained and unloaded. Where an experiment or a pin names the
   serving version, a new version changes nothing for callers that name no version.
@@ -128,15 +129,19 @@ class ModelWatcher:
         return snapshot
 
     def _new(self) -> list[Path]:
+        """Folders to load: each model's newest if newer than all loaded, and the versions
+        configuration names (experiment, pin) that are not loaded yet."""
         registry = self._registry
         found = []
         for name, versions in discover_models(self._models_dir).items():
             loaded = registry.versions(name)
-            newest = versions[-1]
-            if newest.name in loaded:
-                continue
-            if not loaded or version_key(newest.name) > version_key(loaded[-1]):
-                found.append(newest)
+            wanted = registry.in_use(name)
+            for path in versions:
+                newest = path is versions[-1] and (
+                    not loaded or version_key(path.name) > version_key(loaded[-1])
+                )
+                if path.name not in loaded and (newest or path.name in wanted):
+                    found.append(path)
         return found
 
     def _changed(self) -> list[Path]:

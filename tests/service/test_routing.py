@@ -280,3 +280,45 @@ def test_a_champion_that_is_not_loaded_is_unavailable_not_replaced(models, tmp_p
         assert not infer.ModelReady(oip.ModelReadyRequest(name=MODEL), timeout=10).ready
         named = risk.Score(pb.ScoreRequest(**_fields(score_request(1)), model_version="2"))
         assert named.model_version == "2"
+
+
+def test_promoting_the_challenger_in_the_experiment_file_moves_every_path(models, tmp_path):
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    write_experiment(config, mode="shadow")
+    reqs = [score_request(i) for i in range(3)]
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        infer = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert risk.Score(reqs[0], timeout=10).model_version == "1"
+        promoted = {"models": {MODEL: {"champion": "2", "challengers": ["1"]}}}
+        config.write_text(json.dumps(promoted))
+        wait_until(lambda: risk.Score(reqs[0], timeout=10).model_version == "2")
+        batch = risk.ScoreBatch(pb.ScoreBatchRequest(requests=reqs), timeout=10)
+        assert [r.model_version for r in batch.responses] == ["2"] * 3
+        assert infer.ModelInfer(infer_request(reqs[:1]), timeout=10).model_version == "2"
+        assert risk.GetModelInfo(pb.ModelInfoRequest(), timeout=10).model_version == "2"
+
+
+def test_a_challenger_replaced_in_place_is_shadow_scored_with_its_new_files(models, tmp_path):
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    write_experiment(config, mode="shadow")
+    challenger = models / MODEL / "2"
+    fixed = write_sequence_model(tmp_path / "fixed", version="2", seed=7)
+    reqs = [score_request(i) for i in range(4)]
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        watcher = live.server.watcher
+        assert watcher is not None
+        risk.Score(reqs[0], timeout=10)
+        wait_until(lambda: "r0" in shadow_records(logs))
+        for name in ("model.onnx", "manifest.json"):
+            (challenger / name).write_bytes((fixed / name).read_bytes())
+        assert live.call(watcher.scan(settle=True)) == [f"{MODEL}/2"]
+        for request in reqs[1:]:
+            assert risk.Score(request, timeout=10).model_version == "1"
+        wait_until(lambda: {"r1", "r2", "r3"} <= set(shadow_records(logs)))
+    shadows = shadow_records(logs)
+    new_scores = direct(fixed, reqs)
+    for i in (1, 2, 3):
+        assert shadows[f"r{i}"]["score"] == pytest.approx(new_scores[i], abs=1e-5)
+    assert shadows["r0"]["score"] != pytest.approx(new_scores[0], abs=1e-3)
