@@ -322,3 +322,35 @@ def test_a_challenger_replaced_in_place_is_shadow_scored_with_its_new_files(mode
     for i in (1, 2, 3):
         assert shadows[f"r{i}"]["score"] == pytest.approx(new_scores[i], abs=1e-5)
     assert shadows["r0"]["score"] != pytest.approx(new_scores[0], abs=1e-3)
+
+
+def test_versions_with_different_manifests_each_decode_their_own_rows(tmp_path):
+    models = tmp_path / "models"
+    write_sequence_model(models, version="1", seed=1, max_length=16)
+    write_sequence_model(models, version="2", seed=2, max_length=8)
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    router = ExperimentRouter(
+        ExperimentConfig.model_validate(write_experiment(config, mode="ab", ab_share=0.5))
+    )
+    reqs = [score_request(i) for i in range(12)]
+    arms = [router.route(MODEL, r.entity_id).serving_version for r in reqs]
+    assert set(arms) == {"1", "2"}
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        infer = oip_grpc.GRPCInferenceServiceStub(channel)
+        batch = risk.ScoreBatch(pb.ScoreBatchRequest(requests=reqs), timeout=10)
+        info = risk.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+        named = risk.GetModelInfo(pb.ModelInfoRequest(model_version="2"), timeout=10)
+        bad = infer_request(reqs[:1])
+        bad.parameters["entity_id"].int64_param = 7
+        with pytest.raises(grpc.RpcError) as failed:
+            infer.ModelInfer(bad, timeout=10)
+    assert [r.model_version for r in batch.responses] == arms
+    for version in ("1", "2"):
+        rows = [i for i, arm in enumerate(arms) if arm == version]
+        scores = direct(models / MODEL / version, [reqs[i] for i in rows])
+        assert [batch.responses[i].score for i in rows] == pytest.approx(scores, abs=1e-6)
+    assert (info.model_version, info.max_history_length) == ("1", 16)
+    assert (named.model_version, named.max_history_length) == ("2", 8)
+    assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "parameters['entity_id']" in (failed.value.details() or "")
