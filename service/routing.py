@@ -46,6 +46,8 @@ class Assignment:
     model: ModelVersion
     rows: tuple[int, ...]
     routes: tuple[Route | None, ...]
+    routed: bool = False
+    """Whether any row is in an experiment (and so logged)."""
 
 
 class RequestRouter:
@@ -87,7 +89,10 @@ class RequestRouter:
                 group = groups[key] = (self._arm(name, route), [], [])
             group[1].append(i)
             group[2].append(route if route.logged else None)
-        return [Assignment(m, tuple(idx), tuple(routes)) for m, idx, routes in groups.values()]
+        return [
+            Assignment(m, tuple(idx), tuple(routes), any(r is not None for r in routes))
+            for m, idx, routes in groups.values()
+        ]
 
     def _experimenting(self, name: str) -> bool:
         return self._experiments is not None and bool(self._experiments.router.versions(name)[1:])

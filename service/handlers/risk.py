@@ -116,6 +116,8 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             note_scored(self.telemetry, model.name, model.version, scored)
             for k, i in enumerate(assignment.rows):
                 replies[i] = _response(items[i].request_id, model, scored, k, started)
+            if not assignment.routed:
+                continue
             self._router.record(
                 model,
                 assignment.routes,

@@ -354,3 +354,27 @@ def test_versions_with_different_manifests_each_decode_their_own_rows(tmp_path):
     assert (named.model_version, named.max_history_length) == ("2", 8)
     assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "parameters['entity_id']" in (failed.value.details() or "")
+
+
+def test_shadow_share_applies_per_row_of_a_batch(models, tmp_path):
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    router = ExperimentRouter(
+        ExperimentConfig.model_validate(write_experiment(config, shadow_share=0.5))
+    )
+    reqs = [score_request(i) for i in range(24)]
+    copied = {r.request_id for r in reqs if router.route(MODEL, r.entity_id).shadow_versions}
+    assert 0 < len(copied) < len(reqs)
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        batch = risk.ScoreBatch(pb.ScoreBatchRequest(requests=reqs), timeout=10)
+        wait_until(lambda: len(served_records(logs)) == len(reqs))
+        wait_until(lambda: set(shadow_records(logs)) == copied)
+        runner = live.server.experiments.runner
+        wait_until(lambda: runner.completed == runner.submitted)
+    assert [r.model_version for r in batch.responses] == ["1"] * len(reqs)
+    assert set(shadow_records(logs)) == copied  # only the rows of shadowed entities
+    challenger = direct(models / MODEL / "2", reqs)
+    shadows = shadow_records(logs)
+    for i, request in enumerate(reqs):
+        if request.request_id in copied:
+            assert shadows[request.request_id]["score"] == pytest.approx(challenger[i], abs=1e-5)
