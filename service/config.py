@@ -180,6 +180,16 @@ class Settings(BaseSettings):
             return value.strip()
         return value
 
+    @field_validator("pinned_versions", mode="before")
+    @classmethod
+    def _version_numbers(cls, value: object) -> object:
+        if isinstance(value, dict):  # `fraud-demo = 3` in a TOML or JSON file names version "3"
+            return {
+                k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                for k, v in value.items()
+            }
+        return value
+
     @model_validator(mode="after")
     def _fixed_port_for_processes(self) -> Settings:
         if self.processes > 1 and self.port == 0:
