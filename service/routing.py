@@ -70,7 +70,7 @@ class RequestRouter:
         """The version that answers one request, and its experiment route (None: not logged)."""
         if version or self._experiments is None:
             return self._registry.get(name, version), None
-        route = self._experiments.route(name, entity_id)
+        route = self._experiments.router.route(name, entity_id)
         if not route.logged:
             return self._registry.get(name), None
         return self._arm(name, route), route
@@ -82,7 +82,7 @@ class RequestRouter:
             return [Assignment(self._registry.get(name, version), rows, (None,) * len(rows))]
         groups: dict[str, tuple[ModelVersion, list[int], list[Route | None]]] = {}
         for i, entity_id in enumerate(entity_ids):
-            route = self._experiments.route(name, entity_id)
+            route = self._experiments.router.route(name, entity_id)
             key = route.serving_version or ""
             group = groups.get(key)
             if group is None:
