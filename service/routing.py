@@ -18,6 +18,7 @@ import numpy as np
 
 from service.batcher import Scored
 from service.codec import RowBatch
+from service.errors import ModelNotFound, Unavailable
 from service.experiments import Experiments
 from service.registry import ModelRegistry, ModelVersion
 from service.shadow import Route
@@ -101,7 +102,13 @@ class RequestRouter:
         # The champion is the registry's serving version: one rule, one error if not loaded.
         if route.arm == "champion" or not route.serving_version:
             return self._registry.get(name)
-        return self._registry.get(name, route.serving_version)
+        try:
+            return self._registry.get(name, route.serving_version)
+        except ModelNotFound:  # the caller named no version: the server is misconfigured
+            raise Unavailable(
+                f"model {name!r}: version {route.serving_version!r} (an A/B challenger) "
+                "is not loaded"
+            ) from None
 
 
 def take_rows(rows: RowBatch, positions: Sequence[int]) -> RowBatch:

@@ -5,6 +5,7 @@ by its own entity, and what a row was answered by is what the experiment log say
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -280,6 +281,24 @@ def test_a_champion_that_is_not_loaded_is_unavailable_not_replaced(models, tmp_p
         assert not infer.ModelReady(oip.ModelReadyRequest(name=MODEL), timeout=10).ready
         named = risk.Score(pb.ScoreRequest(**_fields(score_request(1)), model_version="2"))
         assert named.model_version == "2"
+
+        # An A/B challenger that is not loaded: its entities are refused, not served another.
+        ab = {"champion": "1", "challengers": ["9"], "mode": "ab", "ab_share": 1.0}
+        config.write_text(json.dumps({"models": {MODEL: ab}}))
+        anonymous = score_request(4, entity="")  # no entity: the champion, which is loaded
+        wait_until(lambda: _code(lambda: risk.Score(anonymous, timeout=10)) == "OK")
+        assert risk.Score(anonymous, timeout=10).model_version == "1"
+        assert _code(lambda: risk.Score(score_request(2), timeout=10)) == "UNAVAILABLE"
+        batch = pb.ScoreBatchRequest(requests=[score_request(3)])
+        assert _code(lambda: risk.ScoreBatch(batch, timeout=10)) == "UNAVAILABLE"
+
+
+def _code(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except grpc.RpcError as exc:
+        return exc.code().name
+    return "OK"
 
 
 def test_promoting_the_challenger_in_the_experiment_file_moves_every_path(models, tmp_path):
