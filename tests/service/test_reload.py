@@ -111,6 +111,16 @@ def test_sighup_loads_a_new_version_at_once(tmp_path):
         while stub.Score(request(3), timeout=5).model_version != "7":
             assert time.monotonic() < deadline, "SIGHUP did not load version 7"
             time.sleep(0.05)
+        before = stub.Score(request(4), timeout=5).score
+        write_tabular_model(models, version="7", seed=4)  # version 7's files, in place
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while stub.Score(request(5), timeout=5).score == before:
+            assert time.monotonic() < deadline, "SIGHUP did not reload version 7's files"
+            time.sleep(0.05)
+        after = stub.Score(request(6), timeout=5)
+        expected = direct_score(models / "credit-lite" / "7", [0.2 * j for j in range(5)])
+        assert (after.model_version, after.score) == ("7", pytest.approx(expected, abs=1e-6))
         assert proc.poll() is None
 
 
