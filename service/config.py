@@ -103,6 +103,11 @@ class Settings(BaseSettings):
     reload_interval_s: float = Field(
         0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."
     )
+    pinned_versions: dict[str, str] = Field(
+        default_factory=dict,
+        description="Model -> version that answers requests naming none where no experiment "
+        'names a champion (JSON: {"fraud-demo": "3"}); unset models serve their highest.',
+    )
     reload_drain_s: float = Field(
         5.0, ge=0, description="Time the replaced version gets to finish its queue."
     )
@@ -178,6 +183,16 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             parse_cpu_list(value)  # its ValueError names the bad part; pydantic, the field
             return value.strip()
+        return value
+
+    @field_validator("pinned_versions", mode="before")
+    @classmethod
+    def _version_numbers(cls, value: object) -> object:
+        if isinstance(value, dict):  # `fraud-demo = 3` in a TOML or JSON file names version "3"
+            return {
+                k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v
+                for k, v in value.items()
+            }
         return value
 
     @model_validator(mode="after")

@@ -1,9 +1,11 @@
 """Champion/challenger experiments wired to the registry: routing, logging, shadow scoring.
 
-The handlers ask `route` which version answers a request and call `record` after scoring;
-everything else happens off the hot path: the served records are written by a log thread, and
-challengers score in a separate lowest-priority process (`ShadowRunner`). The experiments file
-is re-read when it changes, so arms change at run time without a restart.
+`service.routing.RequestRouter` asks `route` which arm answers each request row and calls
+`record` after scoring; everything else happens off the hot path: the served records are
+written by a log thread, and challengers score in a separate lowest-priority process
+(`ShadowRunner`). The registry follows the router: each model's champion is its serving
+version. The experiments file is re-read when it changes, so arms change at run time without a
+restart.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +56,7 @@ class Experiments:
         self._path = config_path
         self._mtime_ns = config_path.stat().st_mtime_ns
         self.router = ExperimentRouter(ExperimentConfig.from_json_file(config_path))
+        registry.follow(self.router)
         self.log = ExperimentLog(log_prefix, flush_interval_s=flush_interval_s)
         self._metrics = telemetry.metrics if telemetry is not None else None
         # The worker process writes the challenger records as a replica of its own.
@@ -66,9 +69,11 @@ class Experiments:
             pass_interval_s=pass_interval_s,
             cpus=shadow_cpus,
         )
+        registry.on_reload(self.runner.forget)  # the worker must score the new files too
         self._watcher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        self._warn_unloaded()
         self.log.start()
         self.runner.start()
         self._watcher = asyncio.create_task(self._watch(), name="experiments-watcher")
@@ -87,54 +92,93 @@ class Experiments:
 
     def record(
         self,
-        route: Route,
         model: ModelVersion,
-        request_ids: tuple[str, ...],
-        entity_ids: tuple[str, ...],
+        routes: Sequence[Route | None],
+        request_ids: Sequence[str],
+        entity_ids: Sequence[str],
         rows: RowBatch,
         scored: Scored,
         latency_s: float,
     ) -> None:
-        """Log the served arm's rows and queue the shadow copies; never waits."""
-        if not route.logged or route.experiment is None or scored.degraded:
+        """Log each routed row that `model` answered and queue its shadow copy; never waits.
+
+        `routes[i]` is row i's route (None: outside the experiment, not logged). Rows that
+        share a route and have challengers to shadow go to the shadow worker as one job.
+        """
+        if scored.degraded:
             return
         thresholds = model.manifest.thresholds
-        for i, (request_id, entity_id) in enumerate(zip(request_ids, entity_ids, strict=True)):
+        latency_ms = latency_s * 1e3
+        shadowed: dict[Route, list[int]] = {}
+        for i, route in enumerate(routes):
+            if route is None or route.experiment is None:
+                continue
             score = float(scored.scores[i])
             self.log.log(
                 ExperimentRecord(
-                    request_id=request_id,
-                    entity_id=entity_id,
+                    request_id=request_ids[i],
+                    entity_id=entity_ids[i],
                     experiment=route.experiment,
                     model=model.name,
                     arm=route.arm,
                     version=model.version,
                     score=score,
                     decision=thresholds.decide(score),
-                    engine=scored.engine,
-                    latency_ms=latency_s * 1e3,
+                    engine=scored.row_engine(i)[0],
+                    latency_ms=latency_ms,
                     mode=route.mode,
                     served=True,
                 )
             )
-        if not route.shadow_versions:
-            return
+            if route.shadow_versions:
+                shadowed.setdefault(route, []).append(i)
+        for route, positions in shadowed.items():
+            self._shadow(route, model, positions, request_ids, entity_ids, rows, scored)
+
+    def _shadow(
+        self,
+        route: Route,
+        model: ModelVersion,
+        positions: list[int],
+        request_ids: Sequence[str],
+        entity_ids: Sequence[str],
+        rows: RowBatch,
+        scored: Scored,
+    ) -> None:
+        assert route.experiment is not None
         if self.runner.full:
             self.runner.drop(model.name)  # all a full shadow queue costs the champion
-        else:
-            self.runner.submit(
-                ShadowJob(
-                    model=model.name,
-                    experiment=route.experiment,
-                    versions=route.shadow_versions,
-                    request_ids=request_ids,
-                    entity_ids=entity_ids,
-                    inputs=model_feed(model.manifest, rows),
-                    champion_scores=np.asarray(scored.scores),
-                    champion_version=model.version,
-                    mode=route.mode,
-                )
+            return
+        whole = len(positions) == len(request_ids)
+        inputs = model_feed(model.manifest, rows)
+        scores = np.asarray(scored.scores)
+        if not whole:
+            index = np.asarray(positions, dtype=np.intp)
+            inputs = {name: array[index] for name, array in inputs.items()}
+            scores = scores[index]
+        self.runner.submit(
+            ShadowJob(
+                model=model.name,
+                experiment=route.experiment,
+                versions=route.shadow_versions,
+                request_ids=tuple(request_ids[i] for i in positions),
+                entity_ids=tuple(entity_ids[i] for i in positions),
+                inputs=inputs,
+                champion_scores=scores,
+                champion_version=model.version,
+                mode=route.mode,
             )
+        )
+
+    def _warn_unloaded(self) -> None:
+        for model, experiment in self.router.config.models.items():
+            missing = [
+                v
+                for v in (experiment.champion, *experiment.challengers)
+                if v not in self._registry.versions(model)
+            ]
+            if missing:
+                log.error("experiment of %s names versions not loaded: %s", model, missing)
 
     def _version_dir(self, model: str, version: str) -> Path:
         return self._registry.get(model, version).path
@@ -157,6 +201,7 @@ class Experiments:
                 self.router.update(ExperimentConfig.from_json_file(self._path))
                 self._mtime_ns = mtime_ns
                 log.info("experiments reloaded from %s", self._path)
+                self._warn_unloaded()
             except Exception:
                 log.exception("keeping the current experiments: %s is not valid", self._path)
                 with contextlib.suppress(OSError):

@@ -28,6 +28,7 @@ from service.handlers.boundary import generic_handler
 from service.health import DrainingHealth
 from service.registry import EngineFactory, ModelRegistry, default_engines
 from service.reload import ModelWatcher
+from service.routing import RequestRouter
 from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
 from service.tls import CertificateFiles
 
@@ -167,6 +168,7 @@ async def build_server(
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
         telemetry=telemetry,
+        pinned_versions=settings.pinned_versions,
     )
     await registry.load_dir(settings.models_dir)
     experiments = None
@@ -192,13 +194,17 @@ async def build_server(
     auth = _auth(settings)
     interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version(), telemetry)
+    router = RequestRouter(registry, experiments)  # one routing rule for every path
+    oip_servicer = InferenceServicer(
+        registry, settings.budget_s, _server_version(), telemetry, router
+    )
     risk_servicer = RiskScoringServicer(
         registry,
         settings.default_model,
         settings.budget_s,
         experiments,
         telemetry,
+        router,
         explain_when=settings.explain_when,
     )
     server.add_generic_rpc_handlers(
@@ -225,6 +231,7 @@ async def build_server(
         settings.models_dir,
         interval_s=settings.reload_interval_s,
         drain_s=settings.reload_drain_s,
+        telemetry=telemetry,
     )
     watcher.start()
     for name in ["", *SERVICE_NAMES]:

@@ -1,8 +1,15 @@
-"""`inference.GRPCInferenceService`: the Open Inference Protocol, as Triton serves it."""
+"""`inference.GRPCInferenceService`: the Open Inference Protocol, as Triton serves it.
+
+A request naming no version is answered by the model's serving version, and metadata, config
+and readiness without a version describe that version. An experiment routes an inference
+request as a whole by its string parameter ``entity_id`` (a request without one is answered
+by the champion, as no entity's).
+"""
 
 from __future__ import annotations
 
 import time
+import uuid
 
 import grpc
 
@@ -10,6 +17,7 @@ from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
 from service.codec import decode_infer_request, encode_infer_response
+from service.errors import InvalidRequest
 from service.handlers.boundary import (
     deadline_for,
     note_model,
@@ -18,6 +26,7 @@ from service.handlers.boundary import (
     rpc_boundary,
 )
 from service.registry import ModelRegistry, ModelVersion
+from service.routing import RequestRouter
 from service.telemetry import Telemetry
 
 __all__ = ["InferenceServicer"]
@@ -45,9 +54,11 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         budget_s: float,
         server_version: str,
         telemetry: Telemetry | None = None,
+        router: RequestRouter | None = None,
     ) -> None:
         self.telemetry = telemetry
         self._registry = registry
+        self._router = router or RequestRouter(registry)
         self._budget_s = budget_s
         self._server_version = server_version
         self.draining = False
@@ -69,7 +80,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         self, request: oip.ModelReadyRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelReadyResponse:
         try:
-            self._registry.get(request.name, request.version)
+            self._router.model(request.name, request.version)
         except Exception:
             return oip.ModelReadyResponse(ready=False)
         return oip.ModelReadyResponse(ready=not self.draining)
@@ -86,7 +97,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelMetadataResponse:
-        model = self._registry.get(request.name, request.version)
+        model = self._router.model(request.name, request.version)
         meta = oip.ModelMetadataResponse.TensorMetadata
         return oip.ModelMetadataResponse(
             name=model.name,
@@ -100,7 +111,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(
         self, request: oip.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelConfigResponse:
-        model = self._registry.get(request.name, request.version)
+        model = self._router.model(request.name, request.version)
         config = mc.ModelConfig(
             name=model.name,
             platform=PLATFORM,
@@ -120,11 +131,53 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
+        return await self._infer_one(request, deadline_for(context, self._budget_s))
+
+    async def _infer_one(
+        self, request: oip.ModelInferRequest, deadline: float
+    ) -> oip.ModelInferResponse:
+        """Route, score and record one inference request (unary or streamed).
+
+        The request is routed as a whole by its ``entity_id`` parameter (a string): one version
+        answers all its rows, so the response's ``model_version`` is true of every row.
+        """
+        started = time.perf_counter()
         note_model(request.model_name, request.model_version)
-        model = self._registry.get(request.model_name, request.model_version)
+        entity_id = _entity_id(request)
+        model, route = self._router.route_one(request.model_name, request.model_version, entity_id)
         decode_started_ns = time.monotonic_ns()
         rows = decode_infer_request(request, model.manifest)
         note_validated(decode_started_ns)
-        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        scored = await model.batcher.submit(rows, deadline)
         note_scored(self.telemetry, model.name, model.version, scored)
+        if route is not None:
+            n = rows.rows
+            self._router.record(
+                model,
+                (route,) * n,
+                _row_ids(request.id, n),
+                (entity_id,) * n,
+                rows,
+                scored,
+                time.perf_counter() - started,
+            )
         return encode_infer_response(request, model.version, model.manifest.output, scored.scores)
+
+
+ENTITY_PARAMETER = "entity_id"
+
+
+def _entity_id(request: oip.ModelInferRequest) -> str:
+    """The request's ``entity_id`` parameter; empty when it has none."""
+    if ENTITY_PARAMETER not in request.parameters:
+        return ""
+    parameter = request.parameters[ENTITY_PARAMETER]
+    if parameter.WhichOneof("parameter_choice") != "string_param":
+        raise InvalidRequest(f"parameters[{ENTITY_PARAMETER!r}]", "must be a string_param")
+    return parameter.string_param
+
+
+def _row_ids(request_id: str, rows: int) -> tuple[str, ...]:
+    """One log id per row: the request's id (a fresh one if it has none), ``/i`` per row."""
+    base = request_id or uuid.uuid4().hex
+    return (base,) if rows == 1 else tuple(f"{base}/{i}" for i in range(rows))

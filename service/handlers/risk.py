@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 
@@ -11,7 +12,7 @@ from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service import explain
 from service.batcher import Scored
-from service.codec import DECISIONS, decode_score_batch, decode_score_request
+from service.codec import DECISIONS, RowBatch, decode_score_batch, decode_score_request
 from service.experiments import Experiments
 from service.handlers.boundary import (
     deadline_for,
@@ -21,6 +22,7 @@ from service.handlers.boundary import (
     rpc_boundary,
 )
 from service.registry import ModelRegistry, ModelVersion
+from service.routing import RequestRouter, take_rows
 from service.telemetry import Telemetry
 
 __all__ = ["RiskScoringServicer"]
@@ -36,6 +38,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         budget_s: float,
         experiments: Experiments | None = None,
         telemetry: Telemetry | None = None,
+        router: RequestRouter | None = None,
         explain_when: explain.ExplainWhen = "adverse",
     ) -> None:
         self._explain_when: explain.ExplainWhen = explain_when
@@ -43,35 +46,26 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         self._registry = registry
         self._default_model = default_model
         self._budget_s = budget_s
-        self._experiments = experiments
-
-    def _model(self, name: str, version: str) -> ModelVersion:
-        return self._registry.get(name or self._default_model, version)
+        self._router = router or RequestRouter(registry, experiments)
 
     @rpc_boundary
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreResponse:
+        return await self._score_one(request, deadline_for(context, self._budget_s))
+
+    async def _score_one(self, request: pb.ScoreRequest, deadline: float) -> pb.ScoreResponse:
+        """Route, score and record one request; every per-request path of this service."""
         started = time.perf_counter()
         name = request.model or self._default_model
-        version = request.model_version
-        note_model(name, version)
-        route = None
-        if self._experiments is not None and not version:
-            route = self._experiments.route(name, request.entity_id)
-            version = route.serving_version or ""
-        model = self._model(name, version)
+        note_model(name, request.model_version)
+        model, route = self._router.route_one(name, request.model_version, request.entity_id)
         decode_started_ns = time.monotonic_ns()
         rows = decode_score_request(request, model.manifest)
         note_validated(decode_started_ns)
         # Without explain_top_k this is the plain submit of the request's row.
         scored, reasons = await explain.score_explained(
-            model.batcher.submit,
-            model.manifest,
-            request,
-            rows,
-            deadline_for(context, self._budget_s),
-            self._explain_when,
+            model.batcher.submit, model.manifest, request, rows, deadline, self._explain_when
         )
         reply = _response(request.request_id, model, scored, 0, started)
         explain.encode_reasons(reply, reasons)
@@ -79,9 +73,9 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             self.telemetry, model.name, model.version, scored, pb.Decision.Name(reply.decision)
         )
         if route is not None:
-            self._experiments.record(  # type: ignore[union-attr]
-                route,
+            self._router.record(
                 model,
+                (route,),
                 (request.request_id,),
                 (request.entity_id,),
                 rows,
@@ -94,40 +88,60 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
     async def ScoreBatch(
         self, request: pb.ScoreBatchRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreBatchResponse:
+        """Each row is routed by its own entity; rows of different versions score concurrently,
+        one batcher submit per version, and are answered in request order."""
         started = time.perf_counter()
-        note_model(request.model or self._default_model, request.model_version)
-        model = self._model(request.model, request.model_version)
+        name = request.model or self._default_model
+        note_model(name, request.model_version)
         explain.check_batch(request)
-        decode_started_ns = time.monotonic_ns()
-        rows = decode_score_batch(request, model.manifest)
-        note_validated(decode_started_ns)
-        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
-        note_scored(self.telemetry, model.name, model.version, scored)
-        if self._experiments is not None and not request.model_version:
-            # A batch is served by the champion as a whole; shadow mode copies all of it.
-            route = self._experiments.route(model.name, request.requests[0].entity_id)
-            if route.mode == "shadow" and route.serving_version in (None, model.version):
-                self._experiments.record(
-                    route,
-                    model,
-                    tuple(r.request_id for r in request.requests),
-                    tuple(r.entity_id for r in request.requests),
-                    rows,
-                    scored,
-                    time.perf_counter() - started,
-                )
-        return pb.ScoreBatchResponse(
-            responses=[
-                _response(item.request_id, model, scored, i, started)
-                for i, item in enumerate(request.requests)
-            ]
+        items = request.requests
+        assignments = self._router.route_rows(
+            name, request.model_version, [item.entity_id for item in items]
         )
+        deadline = deadline_for(context, self._budget_s)
+        decode_started_ns = time.monotonic_ns()
+        decoded: dict[object, RowBatch] = {}
+        groups = []
+        for assignment in assignments:
+            manifest = assignment.model.manifest
+            layout = (manifest.features_input, manifest.features, manifest.history)
+            if layout not in decoded:  # versions with the same inputs share one decoding
+                decoded[layout] = decode_score_batch(request, manifest)
+            groups.append(take_rows(decoded[layout], assignment.rows))
+        note_validated(decode_started_ns)
+        if len(groups) == 1:
+            outcomes = [await assignments[0].model.batcher.submit(groups[0], deadline)]
+        else:
+            outcomes = await asyncio.gather(
+                *(
+                    a.model.batcher.submit(g, deadline)
+                    for a, g in zip(assignments, groups, strict=True)
+                )
+            )
+        replies: list[pb.ScoreResponse | None] = [None] * len(items)
+        for assignment, rows, scored in zip(assignments, groups, outcomes, strict=True):
+            model = assignment.model
+            note_scored(self.telemetry, model.name, model.version, scored)
+            for k, i in enumerate(assignment.rows):
+                replies[i] = _response(items[i].request_id, model, scored, k, started)
+            if not assignment.routed:
+                continue
+            self._router.record(
+                model,
+                assignment.routes,
+                [items[i].request_id for i in assignment.rows],
+                [items[i].entity_id for i in assignment.rows],
+                rows,
+                scored,
+                time.perf_counter() - started,
+            )
+        return pb.ScoreBatchResponse(responses=replies)
 
     @rpc_boundary
     async def GetModelInfo(
         self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ModelInfo:
-        model = self._model(request.model, request.model_version)
+        model = self._router.model(request.model or self._default_model, request.model_version)
         manifest = model.manifest
         history = manifest.history
         health = model.pool.health

@@ -106,39 +106,89 @@ def stable_unit_interval(*parts: str) -> float:
     return int.from_bytes(digest, "big") / 2.0**64
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """One model's experiment made ready to route: its hash prefix and its few routes."""
+
+    share: float
+    prefix: str
+    """The hashed text before the entity id: (mode, salt, model) joined as stable_unit_interval
+    joins them, so a bucket is the same as ``stable_unit_interval(mode, salt, model, entity)``."""
+    inside: tuple[Route, ...]
+    """Shadow mode: the shadowed champion route; A/B mode: one route per challenger."""
+    outside: Route
+    """The route of entities outside the share (and, in A/B mode, of requests naming none)."""
+    anonymous_inside: bool
+
+    @classmethod
+    def of(cls, model: str, experiment: ModelExperiment) -> _Plan | Route:
+        """The plan of a running experiment, or the one route of an experiment without one."""
+        if not experiment.challengers:
+            return Route(experiment.champion)
+        log_name = experiment.log_name or model
+        prefix = "\x1f".join((experiment.mode, experiment.salt, model, ""))
+        champion = experiment.champion
+        if experiment.mode == "ab":
+            return cls(
+                experiment.ab_share,
+                prefix,
+                tuple(Route(v, (), "challenger", "ab", log_name) for v in experiment.challengers),
+                Route(champion, (), "champion", "ab", log_name),
+                anonymous_inside=False,
+            )
+        return cls(
+            experiment.shadow_share,
+            prefix,
+            (Route(champion, experiment.challengers, "champion", "shadow", log_name),),
+            Route(champion, (), "champion", "shadow", log_name),
+            anonymous_inside=True,
+        )
+
+
 class ExperimentRouter:
     """Holds the current config; `update` swaps it atomically while requests are being routed."""
 
     def __init__(self, config: ExperimentConfig | None = None) -> None:
-        self._config = config or ExperimentConfig()
+        self._state = _prepare(config or ExperimentConfig())
         self._update_lock = threading.Lock()
 
     @property
     def config(self) -> ExperimentConfig:
-        return self._config
+        return self._state[0]
 
     def update(self, config: ExperimentConfig) -> None:
         # One reference assignment: a concurrent route() sees the old or the new config whole.
         with self._update_lock:
-            self._config = config
+            self._state = _prepare(config)
+
+    def champion(self, model: str) -> str | None:
+        """The version that answers `model`'s requests naming none; None without an experiment."""
+        experiment = self._state[0].models.get(model)
+        return None if experiment is None else experiment.champion
+
+    def versions(self, model: str) -> tuple[str, ...]:
+        """Every version `model`'s experiment names, the champion first."""
+        experiment = self._state[0].models.get(model)
+        return () if experiment is None else (experiment.champion, *experiment.challengers)
 
     def route(self, model: str, entity_id: str) -> Route:
-        experiment = self._config.models.get(model)
-        if experiment is None or not experiment.challengers:
-            return _NO_EXPERIMENT if experiment is None else Route(experiment.champion)
-        log_name = experiment.log_name or model
-        if experiment.mode == "ab":
-            return _route_ab(experiment, model, entity_id, log_name)
-        bucket = stable_unit_interval("shadow", experiment.salt, model, entity_id)
-        shadows = experiment.challengers if bucket < experiment.shadow_share else ()
-        return Route(experiment.champion, shadows, "champion", "shadow", log_name)
+        plan = self._state[1].get(model)
+        if plan is None:
+            return _NO_EXPERIMENT
+        if isinstance(plan, Route):
+            return plan
+        # A/B shares are drawn over entities: a request that names none is no entity's, and one
+        # bucket for all of them would hand every anonymous request to the same arm.
+        if not entity_id and not plan.anonymous_inside:
+            return plan.outside
+        digest = hashlib.blake2b((plan.prefix + entity_id).encode(), digest_size=8).digest()
+        bucket = int.from_bytes(digest, "big") / 2.0**64
+        if bucket >= plan.share:
+            return plan.outside
+        # An A/B share is split evenly among the challengers, in their listed order.
+        index = int(bucket / plan.share * len(plan.inside))
+        return plan.inside[min(index, len(plan.inside) - 1)]
 
 
-def _route_ab(experiment: ModelExperiment, model: str, entity_id: str, log_name: str) -> Route:
-    bucket = stable_unit_interval("ab", experiment.salt, model, entity_id)
-    if bucket >= experiment.ab_share:
-        return Route(experiment.champion, (), "champion", "ab", log_name)
-    # The challenger share is split evenly among the challengers, in their listed order.
-    index = int(bucket / experiment.ab_share * len(experiment.challengers))
-    version = experiment.challengers[min(index, len(experiment.challengers) - 1)]
-    return Route(version, (), "challenger", "ab", log_name)
+def _prepare(config: ExperimentConfig) -> tuple[ExperimentConfig, dict[str, _Plan | Route]]:
+    return config, {model: _Plan.of(model, e) for model, e in config.models.items()}

@@ -113,6 +113,12 @@ class ShadowRunner:
         drops, self._new_drops = self._new_drops, {}
         return drops
 
+    def forget(self, model: str, version: str) -> None:
+        """`version`'s files changed (a reload in place): announce it again before its next
+        job, so the worker loads the new files instead of scoring with the old."""
+        self._announced.discard((model, version))
+        self._unknown.discard((model, version))
+
     def submit(self, job: ShadowJob) -> bool:
         """Send a job without waiting; False (and counted) when full, closed or not loaded."""
         if self.full or not self._announce(job):

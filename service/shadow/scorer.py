@@ -51,11 +51,13 @@ class ChallengerScorer:
         self._engines: dict[Key, Engine] = {}
 
     def add_version(self, model: str, version: str, model_dir: Path) -> None:
+        """Where a version's files are; a version announced again has new files: reload them."""
         key = (model, version)
-        if self._dirs.get(key) != model_dir:
-            self._dirs[key] = model_dir
-            self._manifests.pop(key, None)
-            self._engines.pop(key, None)
+        self._dirs[key] = model_dir
+        self._manifests.pop(key, None)
+        engine = self._engines.pop(key, None)
+        if engine is not None:
+            engine.close()
 
     def score(self, jobs: Sequence[ShadowJob]) -> ScoringOutcome:
         groups: dict[tuple[str, str, str], list[int]] = {}

@@ -93,6 +93,11 @@ class Metrics:
         self._shadow_drops = meter.create_counter(
             "riskserve.shadow.drops", unit="{request}", description="Shadow copies dropped."
         )
+        self._model_reloads = meter.create_counter(
+            "riskserve.model.reloads",
+            unit="{version}",
+            description="Hot reloads of model versions by outcome (loaded, replaced, refused).",
+        )
         self._callback_lock = threading.Lock()
         self._depth_callback: QueueDepthCallback | None = None
         self._decisions_callback: TraceDecisionsCallback | None = None
@@ -158,6 +163,10 @@ class Metrics:
     def count_shadow_drop(self, model: str, copies: int = 1) -> None:
         """`copies` shadow copies of `model`'s requests were dropped."""
         self._shadow_drops.add(copies, {"model": model})
+
+    def count_model_reload(self, model: str, outcome: str) -> None:
+        """`outcome`: 'loaded' (a new version), 'replaced' (changed files) or 'refused'."""
+        self._model_reloads.add(1, {"model": model, "outcome": outcome})
 
     def set_queue_depth_callback(self, callback: QueueDepthCallback | None) -> None:
         """`callback()` -> {(model, version): depth}, called at each scrape."""

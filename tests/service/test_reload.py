@@ -1,16 +1,25 @@
 """Hot reload: a new version folder is loaded beside the old, switched to atomically, and the old
-one drained and unloaded, while clients keep scoring without a single failed request."""
+one drained and unloaded, while clients keep scoring without a single failed request; a version
+whose files change in place is reloaded the same way, or refused loudly."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
 from liveserver import LiveServer, server_process
 from modelkit import write_tabular_model
+from prometheus_client.parser import text_string_to_metric_families
+from waiting import wait_until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -102,4 +111,140 @@ def test_sighup_loads_a_new_version_at_once(tmp_path):
         while stub.Score(request(3), timeout=5).model_version != "7":
             assert time.monotonic() < deadline, "SIGHUP did not load version 7"
             time.sleep(0.05)
+        before = stub.Score(request(4), timeout=5).score
+        write_tabular_model(models, version="7", seed=4)  # version 7's files, in place
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 15
+        while stub.Score(request(5), timeout=5).score == before:
+            assert time.monotonic() < deadline, "SIGHUP did not reload version 7's files"
+            time.sleep(0.05)
+        after = stub.Score(request(6), timeout=5)
+        expected = direct_score(models / "credit-lite" / "7", [0.2 * j for j in range(5)])
+        assert (after.model_version, after.score) == ("7", pytest.approx(expected, abs=1e-6))
         assert proc.poll() is None
+
+
+def direct_score(version_dir: Path, features: list[float]) -> float:
+    session = ort.InferenceSession(
+        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    return float(session.run(["score"], {"x": np.array([features], np.float32)})[0][0, 0])
+
+
+def replace_files(source: Path, target: Path) -> None:
+    """Overwrite a version's files in place, the ONNX file first, as a deploy script would."""
+    for name in ("model.onnx", "manifest.json"):
+        shutil.copyfile(source / name, target / name)
+
+
+def reloads(url: str, outcome: str) -> float:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == "riskserve_model_reloads_total" and s.labels.get("outcome") == outcome
+    )
+
+
+def test_version_replaced_in_place_is_served_after_one_scan_under_load(tmp_path):
+    models = tmp_path / "models"
+    served_dir = write_tabular_model(models, version="1", seed=0)
+    fixed = write_tabular_model(tmp_path / "fixed", version="1", seed=1)
+    manifest = json.loads((fixed / "manifest.json").read_text())
+    manifest["thresholds"] = {"review": 0.0, "decline": 0.0}  # every score now declines
+    (fixed / "manifest.json").write_text(json.dumps(manifest))
+    features = [0.2 * j for j in range(5)]
+    old, new = direct_score(served_dir, features), direct_score(fixed, features)
+    assert abs(old - new) > 1e-3
+    server = LiveServer(
+        models_dir=models,
+        default_model="credit-lite",
+        reload_interval_s=0,  # scans happen when the test runs one, as the timer would
+        reload_drain_s=2,
+        budget_ms=3000,
+        onnx_variants=False,
+        tensorrt=False,
+    )
+    stop = threading.Event()
+    replies: list[pb.ScoreResponse] = []
+    failures: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+
+    def client(stub: pb_grpc.RiskScoringStub) -> None:
+        while not stop.is_set():
+            try:
+                reply = stub.Score(request(0), timeout=5)
+                with lock:
+                    replies.append(reply)
+            except grpc.RpcError as exc:
+                with lock:
+                    failures.append(exc.code())
+
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        watcher = server.server.watcher
+        assert watcher is not None
+        threads = [threading.Thread(target=client, args=(stub,)) for _ in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: len(replies) > 50)
+            replace_files(fixed, served_dir)
+            assert server.call(watcher.scan(settle=True)) == ["credit-lite/1"]  # the first scan
+            seen = len(replies)
+            wait_until(lambda: len(replies) > seen + 50)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+        info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+
+    assert failures == []
+    assert {round(r.score, 5) for r in replies} == {round(old, 5), round(new, 5)}
+    assert replies[0].score == pytest.approx(old, abs=1e-6)
+    assert replies[0].decision == (
+        pb.APPROVE if old < 0.5 else pb.REVIEW if old < 0.9 else pb.DECLINE
+    )
+    # Once the scan returned, the old instance had drained: past the one request each client
+    # may still have had on its way back, every reply has the new weights and thresholds.
+    for reply in replies[seen + CLIENTS :]:
+        assert reply.score == pytest.approx(new, abs=1e-6)
+        assert reply.decision == pb.DECLINE
+    assert (info.model_version, list(info.versions)) == ("1", ["1"])
+    assert (watcher.reloads, watcher.refused) == (1, 0)
+
+
+def test_changed_files_that_do_not_load_are_refused_logged_and_counted(tmp_path, caplog):
+    models = tmp_path / "models"
+    served_dir = write_tabular_model(models, version="1", seed=0)
+    fixed = write_tabular_model(tmp_path / "fixed", version="1", seed=1)
+    features = [0.2 * j for j in range(5)]
+    old, new = direct_score(served_dir, features), direct_score(fixed, features)
+    server = LiveServer(
+        models_dir=models,
+        default_model="credit-lite",
+        reload_interval_s=0.1,
+        budget_ms=3000,
+        onnx_variants=False,
+        tensorrt=False,
+        metrics_port=0,
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        watcher = server.server.watcher
+        url = server.server.telemetry.metrics_url
+        assert watcher is not None
+        (served_dir / "model.onnx").write_bytes(b"not an onnx model")
+        wait_until(lambda: watcher.refused == 1)
+        assert stub.Score(request(0), timeout=5).score == pytest.approx(old, abs=1e-6)
+        assert reloads(url, "refused") == 1
+        assert any(
+            r.levelname == "ERROR" and "do not load" in r.getMessage() for r in caplog.records
+        )
+        replace_files(fixed, served_dir)  # fixed files: served at the next scan
+        wait_until(lambda: watcher.reloads == 1)
+        assert stub.Score(request(0), timeout=5).score == pytest.approx(new, abs=1e-6)
+        assert reloads(url, "replaced") == 1
+    assert watcher.refused == 1

@@ -1,4 +1,4 @@
-"""Settings that take a structured value: the shadow worker's CPU list."""
+"""Settings that take a structured value: the shadow worker's CPU list, pinned versions."""
 
 from __future__ import annotations
 
@@ -37,3 +37,14 @@ def test_shadow_cpus_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_shadow_cpus_may_be_one_number_in_a_config_file(tmp_path) -> None:
     assert Settings(models_dir=tmp_path, shadow_cpus=3).shadow_cpu_set == {3}
+
+
+def test_pinned_versions_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    assert Settings(models_dir=tmp_path).pinned_versions == {}
+    monkeypatch.setenv("RISKSERVE_PINNED_VERSIONS", '{"fraud-demo": "3"}')
+    assert Settings(models_dir=tmp_path).pinned_versions == {"fraud-demo": "3"}
+    monkeypatch.setenv("RISKSERVE_PINNED_VERSIONS", '{"fraud-demo": 4}')
+    assert Settings(models_dir=tmp_path).pinned_versions == {"fraud-demo": "4"}
+    monkeypatch.setenv("RISKSERVE_PINNED_VERSIONS", '["3"]')
+    with pytest.raises(pydantic.ValidationError, match="pinned_versions"):
+        Settings(models_dir=tmp_path)

@@ -13,3 +13,11 @@ async def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """`until` for synchronous tests (a live server on its own thread, a blocking client)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)

@@ -107,3 +107,18 @@ def test_config_validation_and_file(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ExperimentConfigError):
         ExperimentConfig.from_json_file(path)
+
+
+def test_a_request_without_an_entity_is_never_drawn_into_a_challenger_share() -> None:
+    router = ExperimentRouter(ab_config(1.0))  # every entity goes to the challenger
+    assert router.route("fraud-demo", "e1").serving_version == "2"
+    anonymous = router.route("fraud-demo", "")
+    assert (anonymous.serving_version, anonymous.arm, anonymous.mode) == ("1", "champion", "ab")
+    assert anonymous.logged
+
+
+def test_router_names_the_champion_and_the_versions_to_keep() -> None:
+    router = ExperimentRouter(ab_config(0.5, ("2", "3")))
+    assert router.champion("fraud-demo") == "1"
+    assert router.versions("fraud-demo") == ("1", "2", "3")
+    assert (router.champion("other"), router.versions("other")) == (None, ())
