@@ -42,7 +42,9 @@ def resolve_prefix(
     return pafs.LocalFileSystem(), os.path.abspath(prefix)
 
 
-def write_table_atomically(table: pa.Table, fs: pafs.FileSystem, path: str) -> None:
+def write_table_atomically(
+    table: pa.Table, fs: pafs.FileSystem, path: str, *, row_group_size: int | None = None
+) -> None:
     """Write a complete Parquet file that readers see whole or not at all.
 
     Locally the file is written under a hidden temporary name (ignored by dataset discovery)
@@ -52,12 +54,12 @@ def write_table_atomically(table: pa.Table, fs: pafs.FileSystem, path: str) -> N
     parent = path.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
     if not isinstance(fs, pafs.LocalFileSystem):
-        pq.write_table(table, path, filesystem=fs)
+        pq.write_table(table, path, filesystem=fs, row_group_size=row_group_size)
         return
     name = path.rsplit("/", 1)[1]
     temporary = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
     try:
-        pq.write_table(table, temporary, filesystem=fs)
+        pq.write_table(table, temporary, filesystem=fs, row_group_size=row_group_size)
         fs.move(temporary, path)
     except BaseException:
         _remove_quietly(fs, temporary)
