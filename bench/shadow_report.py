@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -63,9 +62,7 @@ def _constant(value: str, n: int) -> pa.Array:
 
 def _decisions(scores: np.ndarray) -> pa.Array:
     codes = (scores >= THRESHOLDS.review).astype(np.int8) + (scores >= THRESHOLDS.decline)
-    return pa.DictionaryArray.from_arrays(codes, ["APPROVE", "REVIEW", "DECLINE"]).cast(
-        pa.string()
-    )
+    return pa.DictionaryArray.from_arrays(codes, ["APPROVE", "REVIEW", "DECLINE"]).cast(pa.string())
 
 
 def _arm(
@@ -230,6 +227,16 @@ def log_cost(intervals: list[float], seconds: float, rate: int) -> list[dict[str
     return rows
 
 
+REPORT_HEADER = (
+    "| records | files | entities | wall s | CPU s | peak RSS GB | HTML KB "
+    "| largest difference from scikit-learn / SciPy |\n|---|---|---|---|---|---|---|---|"
+)
+LOG_HEADER = (
+    "| flush interval s | flusher CPU ms per s at 2,000 rec/s | worst loss on kill -9, records |"
+    "\n|---|---|---|"
+)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="1e6,1e7,5e7", help="record counts, comma-separated")
@@ -242,14 +249,12 @@ def main() -> None:
         print(json.dumps(run_one(int(args.one), args.verify)))
         return
     if args.log:
-        print("| flush interval s | flusher CPU ms per s at 2,000 rec/s | records lost by kill -9, worst |")
-        print("|---|---|---|")
+        print(LOG_HEADER)
         for row in log_cost([1.0, 0.5, 0.2, 0.1, 0.05], seconds=8.0, rate=2000):
             print(f"| {row['interval_s']} | {row['flusher_cpu_ms_per_s']:.2f} | "
                   f"{row['worst_loss_records']:.0f} |")  # fmt: skip
         return
-    print("| records | files | entities | wall s | CPU s | peak RSS GB | HTML KB | max error vs sklearn/scipy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(REPORT_HEADER)
     for size in (int(float(s)) for s in args.sizes.split(",")):
         dataset(size)  # generated (or found) before the timed process starts
         command = [sys.executable, "-m", "bench.shadow_report", "--one", str(size)]
@@ -259,9 +264,9 @@ def main() -> None:
         row = json.loads(out.stdout.strip().splitlines()[-1])
         errors = row.get("max_error")
         shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items()) if errors else "not checked"
-        print(f"| {row['records']:,} | {row['files']} | {row['entities']:,} | {row['wall_s']:.1f} | "
-              f"{row['cpu_s']:.1f} | {row['peak_rss_gb']:.2f} | {row['html_kb']:.0f} | {shown} |",
-              flush=True)  # fmt: skip
+        print(f"| {row['records']:,} | {row['files']} | {row['entities']:,} "
+              f"| {row['wall_s']:.1f} | {row['cpu_s']:.1f} | {row['peak_rss_gb']:.2f} "
+              f"| {row['html_kb']:.0f} | {shown} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 """`build_report`: compare an experiment's arms from its logged records (and labels, if any).
 
-DuckDB reads the Parquet log (only the columns each step names), joins labels and pairs the
-arms on request id, and computes the counts, sums, latency quantiles and histograms as
-aggregates. What needs an order (AUC, KS, PSI, Spearman) is computed in numpy from one sorted
-array per arm, fetched one arm at a time so that memory stays bounded. Every figure is exact:
-the histograms only draw the plots.
+DuckDB reads the Parquet log (only the columns each step names), joins the labels, numbers
+the entities and pairs the arms on request id; counts, sums, latency quantiles, histograms,
+Pearson and the decision confusion are SQL aggregates. What needs an order (AUC and its
+placements, ranks for Spearman, KS, PSI) comes from DuckDB sorted and is consumed in batches
+by one pass each (`stats.SortedPass`), so memory holds per-entity sums and each arm's sorted
+scores, not the records. Every figure is exact; the histograms only draw the plots.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import json
 import math
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Literal
 
@@ -26,7 +27,7 @@ from engines.manifest import Thresholds
 from service.shadow.report import stats
 from service.shadow.report.dataset import open_records, sql_text
 from service.shadow.report.labels import load_labels
-from service.shadow.report.stats import Clusters, Interval, Ranked
+from service.shadow.report.stats import Interval, OrderedBatch, SortedPass
 
 __all__ = [
     "DECISIONS",
@@ -44,6 +45,8 @@ DEFAULT_RESAMPLES = 0
 DEFAULT_SEED = 20240601
 DEFAULT_MEMORY_LIMIT = "1GB"
 HISTOGRAM_BINS = 40
+BATCH_ROWS = 1_000_000
+BOOTSTRAP_BATCH_CELLS = 4_000_000
 
 Progress = Callable[[str, int | None], None]
 """``progress(stage, rows)``: called as each stage of a report starts or finishes."""
@@ -163,8 +166,9 @@ class _AucParts:
     """One arm's AUC and what its interval came from, kept for the arms' difference."""
 
     point: float
-    keys: np.ndarray | None = None
     influence: np.ndarray | None = None
+    present: np.ndarray | None = None
+    """Units with labelled records in this arm."""
     draws: np.ndarray | None = None
 
 
@@ -174,7 +178,15 @@ class _Options:
     decision_sql: str
     unit: Unit
     resamples: int
-    rng: np.random.Generator
+    seed: int
+    units: int = 0
+    """Distinct units (entities or requests) numbered in the table ``units``."""
+
+    @property
+    def batch_rows(self) -> int:
+        if self.resamples:
+            return max(1_000, BOOTSTRAP_BATCH_CELLS // self.resamples)
+        return BATCH_ROWS
 
 
 def build_report(
@@ -210,16 +222,22 @@ def build_report(
         open_records(
             con, prefix, experiment=experiment, start=start, end=end, filesystem=filesystem
         )
-        labels_key = None
+        options = _Options(None, _decision_sql(thresholds), unit, bootstrap_resamples, seed)
         if labels_path:
             say("reading labels", None)
-            labels_key = load_labels(con, labels_path)
+            key = load_labels(con, labels_path)
             say("labels read", _scalar(con, "SELECT count(*) FROM labels"))
-        options = _Options(
-            labels_key, _decision_sql(thresholds), unit, bootstrap_resamples,
-            np.random.default_rng(seed),
-        )  # fmt: skip
-        return _report(con, options, say, start, end, thresholds, seed)
+            column = "entity_id" if unit == "entity" else "request_id"
+            con.execute(
+                "CREATE OR REPLACE TEMP TABLE units AS SELECT u, "
+                "(row_number() OVER () - 1)::INTEGER AS code "
+                f"FROM (SELECT DISTINCT hash({column}) AS u FROM records)"
+            )
+            options = replace(
+                options, labels_key=key, units=_scalar(con, "SELECT count(*) FROM units")
+            )
+            say(f"{unit}s numbered", options.units)
+        return _report(con, options, say, start, end, thresholds)
 
 
 def _report(
@@ -229,37 +247,49 @@ def _report(
     start: datetime | None,
     end: datetime | None,
     thresholds: Thresholds | None,
-    seed: int,
 ) -> Report:
     overview = con.execute(
         "SELECT count(*), min(time), max(time), any_value(experiment), any_value(model), "
         "list(DISTINCT mode ORDER BY mode), list(DISTINCT replica_id ORDER BY replica_id) "
         "FROM records"
-    ).fetchone()
-    assert overview is not None
+    ).fetchall()[0]
     records, first, last, experiment_name, model, modes, replicas = overview
     say("records read", int(records))
     arms = _arm_keys(con)
-    say("aggregating per arm", int(records))
-    summaries, influences = [], {}
+    summaries: list[ArmSummary] = []
+    parts: dict[tuple[str, str], _AucParts | None] = {}
+    champion_scores: np.ndarray | None = None  # every champion version's, sorted
+    challenger_scores: dict[str, np.ndarray] = {}
     for arm, version in arms:
-        summary, influence = _summarize(con, options, arm, version)
+        say(f"arm {arm} {version}: aggregates and ordered pass", None)
+        summary, auc_parts, scores = _summarize(con, options, arm, version)
         summaries.append(summary)
-        influences[(arm, version)] = influence
+        parts[(arm, version)] = auc_parts
+        if arm != "champion":
+            challenger_scores[version] = scores
+        elif champion_scores is None:
+            champion_scores = scores
+        else:  # the champion changed inside the window: one baseline of all its versions
+            champion_scores = np.sort(np.concatenate([champion_scores, scores]), kind="stable")
         say(f"arm {arm} {version} done", summary.records)
     comparisons = []
-    if any(a == "champion" for a, _ in arms):
-        champion = _sorted_scores(con, "arm = 'champion'")
+    champion_parts = [p for (arm, _), p in parts.items() if arm == "champion"]
+    if champion_scores is not None:
+        drift = {
+            version: (stats.ks_2samp(champion_scores, scores), stats.psi(champion_scores, scores))
+            for version, scores in challenger_scores.items()
+        }
+        del champion_scores, challenger_scores
         for arm, version in arms:
             if arm != "challenger":
                 continue
             say(f"pairing champion with challenger {version}", None)
-            champion_influence = _merged_champion_influence(influences)
-            comparisons.append(
-                _compare(con, options, champion, version, champion_influence,
-                         influences[(arm, version)])  # fmt: skip
-            )
-            say(f"challenger {version} compared", comparisons[-1].pairs)
+            comparison = _compare(
+                con, options, version, drift[version],
+                champion_parts[0] if len(champion_parts) == 1 else None, parts[(arm, version)],
+            )  # fmt: skip
+            comparisons.append(comparison)
+            say(f"challenger {version} compared", comparison.pairs)
     return Report(
         experiment=experiment_name,
         model=model,
@@ -277,7 +307,7 @@ def _report(
         interval_method="bootstrap" if options.resamples > 0 else "analytic",
         interval_unit=options.unit,
         bootstrap_resamples=options.resamples,
-        seed=seed,
+        seed=options.seed,
         psi_bins=stats.PSI_BINS,
         arms=tuple(summaries),
         comparisons=tuple(comparisons),
@@ -289,8 +319,8 @@ def _iso(moment: datetime) -> str:
 
 
 def _scalar(con: duckdb.DuckDBPyConnection, sql: str) -> int:
-    row = con.execute(sql).fetchone()
-    return int(row[0]) if row else 0
+    row = con.execute(sql).fetchall()[0]
+    return int(row[0])
 
 
 def _decision_sql(thresholds: Thresholds | None) -> str:
@@ -303,9 +333,7 @@ def _decision_sql(thresholds: Thresholds | None) -> str:
 
 
 def _decision_code(decision_sql: str) -> str:
-    return (
-        f"(CASE ({decision_sql}) WHEN 'DECLINE' THEN 2 WHEN 'REVIEW' THEN 1 ELSE 0 END)::TINYINT"
-    )
+    return f"(CASE ({decision_sql}) WHEN 'DECLINE' THEN 2 WHEN 'REVIEW' THEN 1 ELSE 0 END)::TINYINT"
 
 
 def _arm_keys(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
@@ -319,7 +347,7 @@ def _where(arm: str, version: str) -> str:
 
 def _summarize(
     con: duckdb.DuckDBPyConnection, options: _Options, arm: str, version: str
-) -> tuple[ArmSummary, _AucParts | None]:
+) -> tuple[ArmSummary, _AucParts | None, np.ndarray]:
     where = _where(arm, version)
     cells = con.execute(
         f"SELECT engine, served, {options.decision_sql} AS d, count(*), sum(score) "
@@ -339,16 +367,13 @@ def _summarize(
     row = con.execute(
         "SELECT quantile_cont(latency_ms, [0.5, 0.99]), min(latency_ms) FILTER (latency_ms > 0), "
         f"max(latency_ms), min(score), max(score) FROM records WHERE {where}"
-    ).fetchone()
-    assert row is not None
+    ).fetchall()[0]
     (p50, p99), low_latency, high_latency, low_score, high_score = row
     latency_edges = np.geomspace(
         low_latency or 1e-3, max(high_latency, (low_latency or 1e-3) * 1.01), HISTOGRAM_BINS + 1
     )
     score_edges = np.linspace(min(0.0, low_score), max(1.0, high_score), HISTOGRAM_BINS + 1)
-    labels, influence = (None, None)
-    if options.labels_key is not None:
-        labels, influence = _label_metrics(con, options, where)
+    labels, auc_parts, scores = _ordered_pass(con, options, where, records)
     summary = ArmSummary(
         arm=arm,
         version=version,
@@ -360,11 +385,11 @@ def _summarize(
         latency_ms_p50=float(p50),
         latency_ms_p99=float(p99),
         latency_measure=_latency_measure(served, records),
-        score_histogram=_histogram(con, where, "score", score_edges, log=False),
-        latency_histogram=_histogram(con, where, "latency_ms", latency_edges, log=True),
+        score_histogram=_histogram(scores, score_edges),
+        latency_histogram=_latency_histogram(con, where, latency_edges),
         labels=labels,
     )
-    return summary, influence
+    return summary, auc_parts, scores
 
 
 def _latency_measure(served: int, records: int) -> str:
@@ -375,15 +400,16 @@ def _latency_measure(served: int, records: int) -> str:
     return "mixed: served end to end and shadow engine calls"
 
 
-def _histogram(
-    con: duckdb.DuckDBPyConnection, where: str, column: str, edges: np.ndarray, *, log: bool
-) -> Histogram:
+def _histogram(values_sorted: np.ndarray, edges: np.ndarray) -> Histogram:
+    cuts = np.searchsorted(values_sorted, edges, side="left")
+    cuts[-1] = len(values_sorted)  # the last bin holds its right edge, as numpy's does
+    return Histogram(tuple(float(e) for e in edges), tuple(int(c) for c in np.diff(cuts)))
+
+
+def _latency_histogram(con: duckdb.DuckDBPyConnection, where: str, edges: np.ndarray) -> Histogram:
     low, high, bins = float(edges[0]), float(edges[-1]), len(edges) - 1
-    value = f"least(greatest({column}, {low!r}), {high!r})"
-    position = (
-        f"ln({value} / {low!r}) / {math.log(high / low)!r}"
-        if log
-        else f"({value} - {low!r}) / {high - low!r}"
+    position = f"ln(least(greatest(latency_ms, {low!r}), {high!r}) / {low!r}) / " + repr(
+        math.log(high / low)
     )
     rows = con.execute(
         f"SELECT least({bins - 1}, floor({position} * {bins}))::INTEGER AS bin, count(*) "
@@ -395,6 +421,47 @@ def _histogram(
     return Histogram(tuple(float(e) for e in edges), tuple(counts))
 
 
+def _batches(
+    con: duckdb.DuckDBPyConnection, sql: str, rows: int
+) -> Iterator[dict[str, np.ndarray]]:
+    for batch in con.sql(sql).to_arrow_reader(rows):
+        yield {name: column.to_numpy() for name, column in zip(batch.schema.names, batch.columns,
+                                                                strict=True)}  # fmt: skip
+
+
+def _ordered_pass(
+    con: duckdb.DuckDBPyConnection, options: _Options, where: str, records: int
+) -> tuple[LabelMetrics | None, _AucParts | None, np.ndarray]:
+    """The arm's records in score order: its sorted scores and, with labels, its AUC pass."""
+    scores = np.empty(records)
+    if options.labels_key is None:
+        filled = 0
+        for batch in _batches(con, f"SELECT score FROM records WHERE {where} ORDER BY score",
+                              options.batch_rows):  # fmt: skip
+            scores[filled : filled + len(batch["score"])] = batch["score"]
+            filled += len(batch["score"])
+        return None, None, scores
+    ordered = SortedPass(
+        options.units, resamples=options.resamples, seed=options.seed, rows=records
+    )
+    filled = 0
+    sql = (
+        f"SELECT r.score, coalesce(l.label, -1)::TINYINT AS label, u.code, "
+        f"{_decision_code(options.decision_sql)} AS d FROM records r "
+        f"LEFT {_label_join(options, 'r')} JOIN units u ON u.u = {_unit_key(options, 'r')} "
+        f"WHERE {where} ORDER BY r.score"
+    )
+    for batch in _batches(con, sql, options.batch_rows):
+        n = len(batch["score"])
+        scores[filled : filled + n] = batch["score"]
+        filled += n
+        ordered.add(OrderedBatch(batch["score"], batch["label"], batch["code"],
+                                 decisions=batch["d"]))  # fmt: skip
+    ordered.finish()
+    metrics, parts = _label_metrics(options, ordered)
+    return metrics, parts, scores
+
+
 def _label_join(options: _Options, alias: str) -> str:
     return f"JOIN labels l ON l.key = hash({alias}.{options.labels_key})"
 
@@ -404,184 +471,176 @@ def _unit_key(options: _Options, alias: str) -> str:
     return f"hash({alias}.{column})"
 
 
-def _label_metrics(
-    con: duckdb.DuckDBPyConnection, options: _Options, where: str
-) -> tuple[LabelMetrics, _AucParts | None]:
-    data = con.execute(
-        f"SELECT r.score, l.label, {_unit_key(options, 'r')} AS unit, "
-        f"{_decision_code(options.decision_sql)} AS d FROM records r "
-        f"{_label_join(options, 'r')} WHERE {where}"
-    ).fetchnumpy()
-    scores, labels, decision = data["score"], data["label"].astype(np.int8), data["d"]
-    if len(scores) == 0:
-        empty = Interval(math.nan, math.nan, math.nan)
-        return LabelMetrics(0, 0, 0, empty, empty, empty, empty, empty, ()), None
-    clusters = Clusters(data["unit"])
-    del data
-    ranked = Ranked(scores, labels)
-    positive = (labels == 1).astype(np.float64)
-    review, decline = (decision >= 1).astype(np.float64), (decision == 2).astype(np.float64)
+def _label_metrics(options: _Options, ordered: SortedPass) -> tuple[LabelMetrics, _AucParts]:
+    labelled_units = (ordered.pos_per_cluster + ordered.neg_per_cluster) > 0
+    positives_k = ordered.pos_per_cluster
     ratios = [
-        (review * positive, review),
-        (review * positive, positive),
-        (decline * positive, decline),
-        (decline * positive, positive),
+        (ordered.hits[1], ordered.flagged[1]),
+        (ordered.hits[1], positives_k),
+        (ordered.hits[2], ordered.flagged[2]),
+        (ordered.hits[2], positives_k),
     ]
-    area, auc_influence = stats.auc_influence(scores, labels, clusters, ranked)
+    area = ordered.auc
     if options.resamples > 0:
-
-        def figures(weights: np.ndarray) -> tuple[np.ndarray, ...]:
-            with np.errstate(invalid="ignore", divide="ignore"):
-                quotients = [(weights @ n) / (weights @ d) for n, d in ratios]
-            return (ranked.auc(weights[:, ranked.order]), *quotients)
-
-        draws = stats.poisson_bootstrap(clusters, options.resamples, options.rng, figures)
-        points = [area] + [_ratio(n, d) for n, d in ratios]
-        intervals = [
-            stats.percentile_interval(p, d) for p, d in zip(points, draws, strict=True)
-        ]
-        kept = _AucParts(area, draws=draws[0])
-    else:
-        intervals = [stats.normal_interval(area, stats.robust_variance(auc_influence))]
+        draws = ordered.resampled_auc()
+        intervals = [stats.percentile_interval(area, draws)]
         for numerator, denominator in ratios:
-            ratio, influence = stats.ratio_influence(numerator, denominator, clusters)
-            intervals.append(stats.normal_interval(ratio, stats.robust_variance(influence)))
-        kept = _AucParts(area, keys=clusters.keys, influence=auc_influence)
+            ratio, _ = stats.ratio_influence(numerator, denominator)
+            resampled = stats.resampled_ratio(numerator, denominator, options.resamples,
+                                              options.seed)  # fmt: skip
+            intervals.append(stats.percentile_interval(ratio, resampled))
+        parts = _AucParts(area, draws=draws)
+    else:
+        influence = ordered.influence()
+        intervals = [stats.normal_interval(area, _variance(influence, labelled_units))]
+        for numerator, denominator in ratios:
+            ratio, ratio_influence = stats.ratio_influence(numerator, denominator)
+            variance = _variance(ratio_influence, labelled_units)
+            intervals.append(stats.normal_interval(ratio, variance))
+        parts = _AucParts(area, influence=influence, present=labelled_units)
     metrics = LabelMetrics(
-        labelled=len(scores),
-        positives=int(positive.sum()),
-        entities=clusters.count,
+        labelled=ordered.m + ordered.n,
+        positives=ordered.m,
+        entities=int(labelled_units.sum()),
         auc=intervals[0],
         precision_at_review=intervals[1],
         recall_at_review=intervals[2],
         precision_at_decline=intervals[3],
         recall_at_decline=intervals[4],
-        roc=stats.roc_points(ranked),
+        roc=ordered.roc(),
     )
-    return metrics, kept
+    return metrics, parts
 
 
-def _ratio(numerator: np.ndarray, denominator: np.ndarray) -> float:
-    total = float(denominator.sum())
-    return float(numerator.sum()) / total if total else math.nan
-
-
-def _sorted_scores(con: duckdb.DuckDBPyConnection, where: str) -> np.ndarray:
-    scores = con.execute(f"SELECT score FROM records WHERE {where}").fetchnumpy()["score"]
-    scores.sort(kind="stable")
-    return scores
-
-
-def _merged_champion_influence(
-    influences: dict[tuple[str, str], _AucParts | None],
-) -> _AucParts | None:
-    champions = [v for (arm, _), v in influences.items() if arm == "champion"]
-    return champions[0] if len(champions) == 1 else None
+def _variance(influence: np.ndarray, present: np.ndarray) -> float:
+    """Cluster-robust variance over the units that have labelled records in this sample."""
+    return stats.robust_variance(influence[present])
 
 
 def _compare(
     con: duckdb.DuckDBPyConnection,
     options: _Options,
-    champion_sorted: np.ndarray,
     version: str,
-    champion_influence: _AucParts | None,
-    challenger_influence: _AucParts | None,
+    drift: tuple[tuple[float, float], float],
+    champion: _AucParts | None,
+    challenger: _AucParts | None,
 ) -> Comparison:
-    challenger_sorted = _sorted_scores(con, _where("challenger", version))
-    ks, ks_p = stats.ks_2samp(champion_sorted, challenger_sorted)
-    drift = stats.psi(champion_sorted, challenger_sorted)
-    del challenger_sorted
-    label = "l.label" if options.labels_key else "-1"
-    join = f"LEFT {_label_join(options, 'c')}" if options.labels_key else ""
+    (ks, ks_p), psi = drift
     code = _decision_code(options.decision_sql)
-    pairs = con.execute(
-        f"SELECT c.score AS a, h.score AS b, c.d AS da, h.d AS db, "
-        f"coalesce({label}, -1)::TINYINT AS y, c.unit FROM "
-        f"(SELECT request_id, entity_id, score, {code} AS d, {_unit_key(options, 'records')} "
-        "AS unit FROM records WHERE arm = 'champion') c JOIN "
+    label = "coalesce(l.label, -1)::TINYINT" if options.labels_key else "-1::TINYINT"
+    labels_join = f"LEFT {_label_join(options, 'c')}" if options.labels_key else ""
+    unit = "u.code" if options.labels_key else "0"
+    units_join = f"JOIN units u ON u.u = {_unit_key(options, 'c')}" if options.labels_key else ""
+    con.execute(
+        "CREATE OR REPLACE TEMP TABLE pairs AS SELECT "
+        f"c.score AS a, h.score AS b, c.d AS da, h.d AS db, {label} AS label, {unit} AS code "
+        f"FROM (SELECT request_id, entity_id, score, {code} AS d FROM records "
+        "WHERE arm = 'champion') c JOIN "
         f"(SELECT request_id, score, {code} AS d FROM records "
         f"WHERE {_where('challenger', version)}) h "
-        f"ON hash(c.request_id) = hash(h.request_id) {join}"
-    ).fetchnumpy()
-    a, b = pairs["a"], pairs["b"]
-    n = len(a)
-    confusion_counts = np.bincount(
-        pairs["da"].astype(np.int64) * 3 + pairs["db"], minlength=9
-    ).reshape(3, 3)
-    agreeing = int(np.trace(confusion_counts))
-    diff = np.abs(a - b)
-    delta, method = (None, None)
+        f"ON hash(c.request_id) = hash(h.request_id) {labels_join} {units_join}"
+    )
+    row = con.execute(
+        "SELECT count(*), avg(abs(a - b)), max(abs(a - b)), avg(a), avg(b) FROM pairs"
+    ).fetchall()[0]
+    n, mean_abs, max_abs, mean_a, mean_b = row
+    confusion = np.zeros((3, 3), dtype=np.int64)
+    for da, db, count in con.execute("SELECT da, db, count(*) FROM pairs GROUP BY ALL").fetchall():
+        confusion[da, db] = count
+    agreeing = int(np.trace(confusion))
+    pearson, spearman, delta, method = math.nan, math.nan, None, None
+    paired: tuple[SortedPass, SortedPass] | None = None
+    if n:
+        moments = con.execute(
+            f"SELECT sum((a - {mean_a!r}) * (b - {mean_b!r})), sum((a - {mean_a!r}) ^ 2), "
+            f"sum((b - {mean_b!r}) ^ 2) FROM pairs"
+        ).fetchall()[0]
+        ab, aa, bb = moments
+        pearson = ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 else math.nan
+        spearman, paired = _paired_passes(con, options, int(n))
     if options.labels_key is not None:
-        delta, method = _auc_difference(
-            options, pairs, champion_influence, challenger_influence
-        )
+        delta, method = _auc_difference(options, paired, champion, challenger)
+    con.execute("DROP TABLE pairs")
     return Comparison(
         challenger_version=version,
-        pairs=n,
+        pairs=int(n),
         decision_agreement=agreeing / n if n else math.nan,
-        decision_flips=n - agreeing,
+        decision_flips=int(n) - agreeing,
         confusion={
-            c: {h: int(confusion_counts[i, j]) for j, h in enumerate(DECISIONS)}
+            c: {h: int(confusion[i, j]) for j, h in enumerate(DECISIONS)}
             for i, c in enumerate(DECISIONS)
         },
-        pearson=stats.pearson(a, b),
-        spearman=stats.spearman(a, b),
-        mean_abs_diff=float(diff.mean()) if n else math.nan,
-        max_abs_diff=float(diff.max()) if n else math.nan,
-        psi=drift,
+        pearson=pearson,
+        spearman=spearman,
+        mean_abs_diff=float(mean_abs) if n else math.nan,
+        max_abs_diff=float(max_abs) if n else math.nan,
+        psi=psi,
         ks_statistic=ks,
         ks_pvalue=ks_p,
         auc_difference=delta,
-        auc_difference_method=method,
+        auc_difference_method=method if delta is not None else None,
         verdict=_verdict(delta),
     )
 
 
+def _paired_passes(
+    con: duckdb.DuckDBPyConnection, options: _Options, n: int
+) -> tuple[float, tuple[SortedPass, SortedPass] | None]:
+    """Spearman over the pairs and, with labels, each arm's AUC pass over the same pairs."""
+    twice_rank_a = np.zeros(n, dtype=np.uint32 if 2 * n + 1 < 2**32 else np.uint64)
+    centre = (n + 1) / 2
+    cross = 0.0
+
+    def keep(ids: np.ndarray, twice_rank: np.ndarray) -> None:
+        twice_rank_a[ids] = twice_rank
+
+    def multiply(ids: np.ndarray, twice_rank: np.ndarray) -> None:
+        nonlocal cross
+        cross += float(np.dot(twice_rank_a[ids] / 2 - centre, twice_rank / 2 - centre))
+
+    passes = []
+    for column, sink in (("a", keep), ("b", multiply)):
+        ordered = SortedPass(
+            max(options.units, 1), resamples=options.resamples, seed=options.seed,
+            rank_sink=sink, rows=n,
+        )  # fmt: skip
+        sql = f"SELECT {column} AS score, label, code, rowid AS id FROM pairs ORDER BY {column}"
+        for batch in _batches(con, sql, options.batch_rows):
+            ordered.add(OrderedBatch(batch["score"], batch["label"], batch["code"], batch["id"]))
+        passes.append(ordered.finish())
+    spread = math.sqrt(passes[0].rank_sum_sq * passes[1].rank_sum_sq)
+    spearman = cross / spread if spread > 0 else math.nan
+    labelled = passes[0].m > 0 and passes[0].n > 0
+    return spearman, (passes[0], passes[1]) if labelled else None
+
+
 def _auc_difference(
     options: _Options,
-    pairs: dict[str, np.ndarray],
+    paired: tuple[SortedPass, SortedPass] | None,
     champion: _AucParts | None,
     challenger: _AucParts | None,
 ) -> tuple[Interval, str]:
     """Paired over shared labelled requests; else from each arm's own records."""
-    y = pairs["y"]
-    known = y >= 0
-    if known.sum() >= 2 and 0 < (y[known] == 1).sum() < known.sum():
-        everything = bool(known.all())
-        a = pairs["a"] if everything else pairs["a"][known]
-        b = pairs["b"] if everything else pairs["b"][known]
-        y = y if everything else y[known]
-        clusters = Clusters(pairs["unit"] if everything else pairs["unit"][known])
-        ranked_a, ranked_b = Ranked(a, y), Ranked(b, y)
-        point = float(ranked_b.auc()[0] - ranked_a.auc()[0])
+    if paired is not None:
+        first, second = paired
+        point = second.auc - first.auc
         if options.resamples > 0:
-
-            def delta(weights: np.ndarray) -> tuple[np.ndarray]:
-                return (
-                    ranked_b.auc(weights[:, ranked_b.order])
-                    - ranked_a.auc(weights[:, ranked_a.order]),
-                )
-
-            (draws,) = stats.poisson_bootstrap(clusters, options.resamples, options.rng, delta)
+            draws = second.resampled_auc() - first.resampled_auc()
             return stats.percentile_interval(point, draws), "paired"
-        del ranked_a, ranked_b
-        _, influence_a = stats.auc_influence(a, y, clusters)
-        _, influence_b = stats.auc_influence(b, y, clusters)
-        variance = stats.robust_variance(influence_b - influence_a)
+        present = (first.pos_per_cluster + first.neg_per_cluster) > 0
+        variance = _variance(second.influence() - first.influence(), present)
         return stats.normal_interval(point, variance), "paired"
     if champion is None or challenger is None:
         return Interval(math.nan, math.nan, math.nan), "independent"
     point = challenger.point - champion.point
     if champion.draws is not None and challenger.draws is not None:
+        # One weight per unit and resample in both arms: an entity in both counts once.
         return stats.percentile_interval(point, challenger.draws - champion.draws), "independent"
-    if champion.keys is None or challenger.keys is None:
+    if champion.influence is None or challenger.influence is None:
         return Interval(math.nan, math.nan, math.nan), "independent"
-    # Both arms' influences on one set of units: an entity seen by both arms counts once.
-    keys = np.union1d(champion.keys, challenger.keys)
-    combined = np.zeros(len(keys))
-    np.add.at(combined, np.searchsorted(keys, challenger.keys), challenger.influence)
-    np.subtract.at(combined, np.searchsorted(keys, champion.keys), champion.influence)
-    return stats.normal_interval(point, stats.robust_variance(combined)), "independent"
+    combined = challenger.influence - champion.influence
+    present = champion.present | challenger.present  # type: ignore[operator]
+    return stats.normal_interval(point, _variance(combined, present)), "independent"
 
 
 def _verdict(delta: Interval | None) -> str:

@@ -84,7 +84,8 @@ def _window(report: Report) -> str:
 
 def _method(report: Report) -> str:
     if report.interval_method == "bootstrap":
-        return f"Poisson bootstrap over {report.interval_unit}s, {report.bootstrap_resamples} resamples"
+        unit, resamples = report.interval_unit, report.bootstrap_resamples
+        return f"Poisson bootstrap over each {unit}, {resamples} resamples"
     return "analytic: DeLong for AUC, the delta method for precision and recall"
 
 
@@ -128,9 +129,10 @@ def _arms_table(report: Report) -> str:
     if not labelled:
         return volume + "<p>no labels: quality not measured</p>"
     quality = _table(
-        ["arm", "version", "labelled", f"{report.interval_unit}s", "AUC [95% CI]", "precision@review", "recall@review",
-         "precision@decline", "recall@decline"],
-        [[_e(a.arm), _e(a.version), m.labelled, m.entities, _ci(m.auc), _ci(m.precision_at_review),
+        ["arm", "version", "labelled", "units", "AUC [95% CI]",
+         "precision@review", "recall@review", "precision@decline", "recall@decline"],
+        [[_e(a.arm), _e(a.version), m.labelled, m.entities, _ci(m.auc),
+          _ci(m.precision_at_review),
           _ci(m.recall_at_review), _ci(m.precision_at_decline), _ci(m.recall_at_decline)]
          for a in labelled if (m := a.labels) is not None],
     )  # fmt: skip

@@ -48,7 +48,7 @@ def load_labels(con: duckdb.DuckDBPyConnection, path: str) -> str:
     try:
         (bad,) = con.execute(
             "SELECT count(*) FROM labels_file WHERE label IS NULL OR label::DOUBLE NOT IN (0, 1)"
-        ).fetchone() or (0,)
+        ).fetchall()[0]
     except duckdb.Error as exc:
         raise LabelsError("labels must be 0 or 1") from exc
     if bad:

@@ -23,22 +23,24 @@ from scipy import stats as sps
 
 __all__ = [
     "PSI_BINS",
-    "Clusters",
     "Interval",
-    "auc_influence",
+    "OrderedBatch",
+    "SortedPass",
     "ks_2samp",
+    "normal_interval",
     "pearson",
-    "poisson_bootstrap",
+    "percentile_interval",
+    "poisson_weights",
     "psi",
     "ratio_influence",
-    "roc_points",
+    "resampled_ratio",
+    "robust_variance",
+    "sorted_pass",
     "spearman",
-    "weighted_auc",
 ]
 
 PSI_BINS = 10
 PSI_FLOOR = 1e-4
-MAX_WEIGHT_CELLS = 4_000_000
 Z_95 = 1.959963984540054
 
 
@@ -64,21 +66,6 @@ def percentile_interval(estimate: float, resampled: np.ndarray) -> Interval:
         return Interval(float(estimate), math.nan, math.nan)
     low, high = np.percentile(finite, [2.5, 97.5])
     return Interval(float(estimate), float(low), float(high))
-
-
-class Clusters:
-    """Each record's cluster (entity) as a code 0..count-1, from 64-bit entity keys."""
-
-    def __init__(self, keys: np.ndarray) -> None:
-        self.keys, self.codes = np.unique(keys, return_inverse=True)
-        self.codes = self.codes.astype(np.int64, copy=False)
-
-    @property
-    def count(self) -> int:
-        return len(self.keys)
-
-    def sums(self, values: np.ndarray) -> np.ndarray:
-        return np.bincount(self.codes, weights=values, minlength=self.count)
 
 
 def robust_variance(influence: np.ndarray) -> float:
@@ -171,115 +158,266 @@ def psi(expected_sorted: np.ndarray, actual_sorted: np.ndarray, bins: int = PSI_
     return float(np.sum((a - e) * np.log(a / e)))
 
 
-# --- AUC --------------------------------------------------------------------------------------
+# --- AUC: one pass in ascending score order ------------------------------------------------
 
 
-class Ranked:
-    """Scores sorted once and grouped by tied value; reused by every figure and resample."""
+@dataclass(frozen=True, slots=True)
+class OrderedBatch:
+    """Rows in ascending score order: label 1/0 (-1: unlabelled), cluster code, row id."""
 
-    def __init__(self, scores: np.ndarray, positive: np.ndarray) -> None:
-        self.order = np.argsort(scores, kind="stable")
-        ordered = scores[self.order]
-        self.starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-        self.group = np.repeat(np.arange(len(self.starts)), np.diff(np.r_[self.starts, len(ordered)]))
-        self.positive = positive[self.order].astype(np.float64)
-
-    def auc(self, weights: np.ndarray | None = None) -> np.ndarray:
-        """AUC per row of `weights` (k, n) given in sorted order; ties count one half."""
-        w = np.ones((1, len(self.positive))) if weights is None else weights
-        pos = np.add.reduceat(w * self.positive, self.starts, axis=1)
-        neg = np.add.reduceat(w * (1.0 - self.positive), self.starts, axis=1)
-        below = np.cumsum(neg, axis=1) - neg
-        total_pos, total_neg = pos.sum(axis=1), neg.sum(axis=1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            result = (pos * (below + 0.5 * neg)).sum(axis=1) / (total_pos * total_neg)
-        return np.where((total_pos > 0) & (total_neg > 0), result, np.nan)
+    scores: np.ndarray
+    labels: np.ndarray
+    codes: np.ndarray
+    ids: np.ndarray | None = None
+    decisions: np.ndarray | None = None
+    """0 approve, 1 review, 2 decline: counted per cluster for precision and recall."""
 
 
-def weighted_auc(scores: np.ndarray, labels: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """AUC per row of `weights` (shape (k, n), in the records' order)."""
-    ranked = Ranked(scores, labels)
-    return ranked.auc(weights[:, ranked.order])
+class SortedPass:
+    """AUC, DeLong placements per cluster, average ranks and ROC points in one ordered pass.
 
-
-def auc_influence(
-    scores: np.ndarray, labels: np.ndarray, clusters: Clusters, ranked: Ranked | None = None
-) -> tuple[float, np.ndarray]:
-    """AUC and each cluster's influence on it (DeLong placements summed per cluster).
-
-    With m positives, n negatives and A the AUC, cluster k's influence is
-    (sum of its positives' placements - m_k A) / m + (sum of its negatives' - n_k A) / n;
-    the AUC's variance is the cluster-robust sum of their squares.
+    Feed batches in ascending score order (a tie group may span batches: its rows are held
+    back until the group ends), then call `finish`. Memory: a few arrays per cluster and per
+    batch, whatever the number of rows. With `resamples`, the weighted AUC of every Poisson
+    resample over clusters accumulates in the same pass. `rows` (the total to come) places
+    the ROC points and centres the ranks handed to `rank_sink(ids, twice_average_rank)`.
     """
-    positive = labels == 1
-    m, n = int(positive.sum()), int(len(labels) - positive.sum())
-    if m == 0 or n == 0:
-        return math.nan, np.zeros(clusters.count)
-    ranked = ranked or Ranked(scores, labels)
-    pos_sorted = ranked.positive
-    pos_group = np.add.reduceat(pos_sorted, ranked.starts)
-    neg_group = np.add.reduceat(1.0 - pos_sorted, ranked.starts)
-    neg_below = np.cumsum(neg_group) - neg_group
-    pos_above = m - np.cumsum(pos_group)
-    # Placement of a positive: share of negatives below it (ties half); of a negative: share
-    # of positives above it (ties half).
-    v10 = ((neg_below + 0.5 * neg_group) / n)[ranked.group]
-    v01 = ((pos_above + 0.5 * pos_group) / m)[ranked.group]
-    placement = np.where(pos_sorted == 1.0, v10, v01)
-    del v10, v01
-    area = float(np.dot(pos_group, neg_below + 0.5 * neg_group) / (m * n))
-    placement_rows = np.empty_like(placement)
-    placement_rows[ranked.order] = placement
-    del placement
-    pos_f = positive.astype(np.float64)
-    influence = clusters.sums(placement_rows * pos_f) / m - clusters.sums(pos_f) * area / m
-    influence += clusters.sums(placement_rows * (1.0 - pos_f)) / n
-    influence -= clusters.sums(1.0 - pos_f) * area / n
-    return area, influence
+
+    def __init__(
+        self,
+        clusters: int,
+        *,
+        resamples: int = 0,
+        seed: int = 0,
+        rank_sink: Callable[[np.ndarray, np.ndarray], None] | None = None,
+        rows: int = 0,
+        roc_points: int = 200,
+    ) -> None:
+        self.k = clusters
+        self.m = self.n = 0  # positives and negatives seen
+        # Per cluster: negatives below each positive (ties half) and positives at or below
+        # each negative (ties half), summed; divided by n and turned into placements at the end.
+        self._neg_below = np.zeros(clusters)
+        self._pos_at_or_below = np.zeros(clusters)
+        self.pos_per_cluster = np.zeros(clusters)
+        self.neg_per_cluster = np.zeros(clusters)
+        self.flagged = {level: np.zeros(clusters) for level in (1, 2)}
+        self.hits = {level: np.zeros(clusters) for level in (1, 2)}
+        self._area = 0.0
+        self._rows_before = 0
+        self._carry: OrderedBatch | None = None
+        self.resamples, self.seed = resamples, seed
+        self._w_area = np.zeros(resamples)
+        self._w_neg_before = np.zeros(resamples)
+        self._w_pos = np.zeros(resamples)
+        self._rank_sink = rank_sink
+        self._rows_total = rows
+        self._roc_step = max(1, rows // roc_points) if rows else 0
+        self._roc: list[tuple[int, int]] = []
+        self.rank_sum_sq = 0.0
+        """Sum over rows of (average rank - mean rank)^2, when ranks are handed out."""
+
+    def add(self, batch: OrderedBatch) -> None:
+        if self._carry is not None:
+            batch = _concat(self._carry, batch)
+        if len(batch.scores) == 0:
+            return
+        cut = int(np.searchsorted(batch.scores, batch.scores[-1], side="left"))
+        self._carry = _take(batch, slice(cut, None))
+        if cut:
+            self._process(_take(batch, slice(0, cut)))
+
+    def finish(self) -> SortedPass:
+        if self._carry is not None and len(self._carry.scores):
+            self._process(self._carry)
+        self._carry = None
+        return self
+
+    @property
+    def auc(self) -> float:
+        if self.m == 0 or self.n == 0:
+            return math.nan
+        return self._area / (self.m * self.n)
+
+    def influence(self) -> np.ndarray:
+        """Each cluster's influence on the AUC; the variance is their robust sum of squares.
+
+        Cluster k's influence is (sum of its positives' placements - m_k A) / m + (sum of its
+        negatives' placements - n_k A) / n, where a positive's placement is the share of
+        negatives below it and a negative's the share of positives above it (ties half).
+        """
+        area = self.auc
+        if not math.isfinite(area):
+            return np.zeros(self.k)
+        placement_pos = self._neg_below / self.n
+        placement_neg = (self.neg_per_cluster * self.m - self._pos_at_or_below) / self.m
+        return (placement_pos - self.pos_per_cluster * area) / self.m + (
+            placement_neg - self.neg_per_cluster * area
+        ) / self.n
+
+    def resampled_auc(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            result = self._w_area / (self._w_pos * self._w_neg_before)
+        return np.where((self._w_pos > 0) & (self._w_neg_before > 0), result, np.nan)
+
+    def roc(self) -> tuple[tuple[float, float], ...]:
+        """(false positive rate, true positive rate) from the highest threshold down."""
+        if self.m == 0 or self.n == 0:
+            return ()
+        points = {((self.n - neg) / self.n, (self.m - pos) / self.m) for pos, neg in self._roc}
+        points |= {(0.0, 0.0), (1.0, 1.0)}
+        return tuple(sorted(points))
+
+    def _process(self, batch: OrderedBatch) -> None:
+        scores, labels, codes, k = batch.scores, batch.labels, batch.codes, self.k
+        positive, negative = labels == 1, labels == 0
+        first = np.empty(len(scores), dtype=bool)
+        first[0] = True
+        np.not_equal(scores[1:], scores[:-1], out=first[1:])
+        if first.all():  # no ties, the usual case with continuous scores: a group is a row
+            pos_g, neg_g = positive.astype(np.int64), negative.astype(np.int64)
+            ends = self._rows_before + np.arange(1, len(scores) + 1)
+            sizes: np.ndarray | None = None
+
+            def per_row(values: np.ndarray) -> np.ndarray:
+                return values
+        else:
+            starts = np.flatnonzero(first)
+            pos_g = np.add.reduceat(positive, starts, dtype=np.int64)
+            neg_g = np.add.reduceat(negative, starts, dtype=np.int64)
+            sizes = np.diff(np.r_[starts, len(scores)])
+            ends = self._rows_before + np.cumsum(sizes)
+            group = np.cumsum(first) - 1
+
+            def per_row(values: np.ndarray) -> np.ndarray:
+                return values[group]
+
+        pos_le, neg_le = self.m + np.cumsum(pos_g), self.n + np.cumsum(neg_g)
+        neg_below_half = neg_le - 0.5 * neg_g
+        self._area += float(np.dot(pos_g, neg_below_half))
+        self._neg_below += np.bincount(
+            codes, np.where(positive, per_row(neg_below_half), 0.0), minlength=k
+        )
+        self._pos_at_or_below += np.bincount(
+            codes, np.where(negative, per_row(pos_le - 0.5 * pos_g), 0.0), minlength=k
+        )
+        self.pos_per_cluster += np.bincount(codes, positive, minlength=k)
+        self.neg_per_cluster += np.bincount(codes, negative, minlength=k)
+        if batch.decisions is not None:
+            for level in (1, 2):
+                flagged = batch.decisions >= level
+                self.flagged[level] += np.bincount(codes, flagged, minlength=k)
+                self.hits[level] += np.bincount(codes, flagged & positive, minlength=k)
+        if self.resamples:
+            self._weighted(batch, first, positive, negative)
+        if self._rank_sink is not None:
+            # A tie group ending at row e with s rows shares the mean rank e - (s - 1) / 2.
+            twice_rank = per_row(2 * ends + 1 - (1 if sizes is None else sizes))
+            centred = twice_rank / 2 - (self._rows_total + 1) / 2
+            self.rank_sum_sq += float(np.dot(centred, centred))
+            if batch.ids is not None:
+                self._rank_sink(batch.ids, twice_rank)
+        if self._roc_step:
+            marks = ends // self._roc_step
+            keep = np.flatnonzero(np.r_[marks[1:] != marks[:-1], True])
+            self._roc += list(zip(pos_le[keep].tolist(), neg_le[keep].tolist(), strict=True))
+        self.m, self.n = int(pos_le[-1]), int(neg_le[-1])
+        self._rows_before += len(scores)
+
+    def _weighted(
+        self, batch: OrderedBatch, first: np.ndarray, positive: np.ndarray, negative: np.ndarray
+    ) -> None:
+        starts = np.flatnonzero(first)
+        w = poisson_weights(batch.codes, self.resamples, self.seed)
+        pos_w = np.add.reduceat(w * positive, starts, axis=1)
+        neg_w = np.add.reduceat(w * negative, starts, axis=1)
+        below = self._w_neg_before[:, None] + np.cumsum(neg_w, axis=1) - neg_w
+        self._w_area += (pos_w * (below + 0.5 * neg_w)).sum(axis=1)
+        self._w_neg_before += neg_w.sum(axis=1)
+        self._w_pos += pos_w.sum(axis=1)
 
 
-def ratio_influence(
-    numerator: np.ndarray, denominator: np.ndarray, clusters: Clusters
-) -> tuple[float, np.ndarray]:
-    """A ratio of sums (precision, recall) and each cluster's influence (delta method)."""
+def _take(batch: OrderedBatch, rows: slice) -> OrderedBatch:
+    ids = None if batch.ids is None else batch.ids[rows]
+    decisions = None if batch.decisions is None else batch.decisions[rows]
+    return OrderedBatch(batch.scores[rows], batch.labels[rows], batch.codes[rows], ids, decisions)
+
+
+def _concat(first: OrderedBatch, second: OrderedBatch) -> OrderedBatch:
+    def both(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+        return None if a is None or b is None else np.r_[a, b]
+
+    return OrderedBatch(
+        np.r_[first.scores, second.scores],
+        np.r_[first.labels, second.labels],
+        np.r_[first.codes, second.codes],
+        both(first.ids, second.ids),
+        both(first.decisions, second.decisions),
+    )
+
+
+def sorted_pass(
+    scores: np.ndarray,
+    labels: np.ndarray,
+    codes: np.ndarray,
+    *,
+    resamples: int = 0,
+    seed: int = 0,
+    batch_rows: int = 100_000,
+) -> SortedPass:
+    """`SortedPass` over in-memory arrays (sorted here), in batches as the report feeds it."""
+    order = np.argsort(scores, kind="stable")
+    clusters = int(codes.max()) + 1 if len(codes) else 0
+    result = SortedPass(clusters, resamples=resamples, seed=seed, rows=len(scores))
+    for start in range(0, len(order), batch_rows):
+        rows = order[start : start + batch_rows]
+        result.add(OrderedBatch(scores[rows], labels[rows], codes[rows]))
+    return result.finish()
+
+
+def ratio_influence(numerator: np.ndarray, denominator: np.ndarray) -> tuple[float, np.ndarray]:
+    """A ratio of sums (precision, recall) from per-cluster sums, and each cluster's
+    influence on it (the delta method)."""
     total = float(denominator.sum())
     if total == 0:
-        return math.nan, np.zeros(clusters.count)
+        return math.nan, np.zeros(len(numerator))
     ratio = float(numerator.sum()) / total
-    return ratio, (clusters.sums(numerator) - ratio * clusters.sums(denominator)) / total
+    return ratio, (numerator - ratio * denominator) / total
 
 
-def poisson_bootstrap(
-    clusters: Clusters,
-    resamples: int,
-    rng: np.random.Generator,
-    statistic: Callable[[np.ndarray], tuple[np.ndarray, ...]],
-    max_cells: int = MAX_WEIGHT_CELLS,
-) -> tuple[np.ndarray, ...]:
-    """Apply `statistic` to per-record weight matrices, a Poisson(1) weight per cluster.
+_POISSON_CDF = np.cumsum([math.exp(-1) / math.factorial(k) for k in range(20)])
 
-    `statistic(weights)` gets weights of shape (k, records) and returns arrays of k values;
-    resamples run in chunks that bound memory, and the results are concatenated.
+
+def poisson_weights(codes: np.ndarray, resamples: int, seed: int) -> np.ndarray:
+    """Poisson(1) weights, shape (resamples, len(codes)): a bootstrap over clusters.
+
+    Each (seed, resample, cluster) draws its weight from a counter-based hash (splitmix64),
+    so the rows of one cluster get the same weight in every batch and every pass, with no
+    table of resamples x clusters in memory.
     """
-    records = len(clusters.codes)
-    chunk = max(1, max_cells // max(records, 1))
-    parts: list[tuple[np.ndarray, ...]] = []
-    for done in range(0, resamples, chunk):
-        size = min(chunk, resamples - done)
-        per_cluster = rng.poisson(1.0, size=(size, clusters.count)).astype(np.float64)
-        parts.append(statistic(per_cluster[:, clusters.codes]))
-    if not parts:
-        return ()
-    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))
+    counter = (
+        codes.astype(np.uint64)[None, :] * np.uint64(resamples)
+        + np.arange(resamples, dtype=np.uint64)[:, None]
+        + np.uint64((seed * 0x9E3779B97F4A7C15) % 2**64)
+    )
+    z = counter + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    uniform = (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    return np.searchsorted(_POISSON_CDF, uniform, side="right").astype(np.float64)
 
 
-def roc_points(ranked: Ranked, max_points: int = 200) -> tuple[tuple[float, float], ...]:
-    """(false positive rate, true positive rate) from the highest threshold down, thinned."""
-    pos = np.add.reduceat(ranked.positive, ranked.starts)[::-1]
-    neg = np.add.reduceat(1.0 - ranked.positive, ranked.starts)[::-1]
-    if pos.sum() == 0 or neg.sum() == 0:
-        return ()
-    tpr = np.r_[0.0, np.cumsum(pos) / pos.sum()]
-    fpr = np.r_[0.0, np.cumsum(neg) / neg.sum()]
-    keep = np.unique(np.linspace(0, len(tpr) - 1, min(max_points, len(tpr))).round().astype(int))
-    return tuple((float(fpr[i]), float(tpr[i])) for i in keep)
+def resampled_ratio(
+    numerator: np.ndarray, denominator: np.ndarray, resamples: int, seed: int
+) -> np.ndarray:
+    """A ratio of per-cluster sums under each resample's cluster weights."""
+    top, bottom = np.zeros(resamples), np.zeros(resamples)
+    block = max(1, 4_000_000 // max(resamples, 1))
+    for start in range(0, len(numerator), block):
+        codes = np.arange(start, min(start + block, len(numerator)))
+        weights = poisson_weights(codes, resamples, seed)
+        top += weights @ numerator[codes]
+        bottom += weights @ denominator[codes]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return top / bottom

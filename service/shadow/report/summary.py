@@ -35,6 +35,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [fit(header), line("-" * w for w in widths), *(fit(r) for r in rows)]
 
 
+def _units(unit: str) -> str:
+    return {"entity": "entities", "request": "requests"}.get(unit, unit)
+
+
 def render_summary(report: Report) -> str:
     """Per arm: records, labelled, AUC with interval; per challenger: the comparison."""
     method = (
@@ -59,7 +63,7 @@ def render_summary(report: Report) -> str:
             "-" if m is None else _interval(m.auc),
         ])  # fmt: skip
     lines += _table(
-        ["arm", "version", "records", "labelled", f"{report.interval_unit}s", "AUC [95% CI]"],
+        ["arm", "version", "records", "labelled", _units(report.interval_unit), "AUC [95% CI]"],
         rows,
     )
     for c in report.comparisons:

@@ -25,17 +25,19 @@ def sample(rng: np.random.Generator, entities: int, repeats: int) -> tuple[np.nd
     labels = (rng.random(entities) < 0.3).astype(np.int8)
     champion = rng.normal(size=entities) + D_CHAMPION * labels
     challenger = rng.normal(size=entities) + D_CHALLENGER * labels
-    unit = np.arange(entities, dtype=np.uint64)
+    unit = np.arange(entities)
     return tuple(np.repeat(a, repeats) for a in (champion, challenger, labels, unit))
 
 
-def analytic(champion, challenger, labels, keys) -> tuple[stats.Interval, stats.Interval]:
-    clusters = stats.Clusters(keys)
-    a, influence_a = stats.auc_influence(champion, labels, clusters)
-    b, influence_b = stats.auc_influence(challenger, labels, clusters)
+def analytic(champion, challenger, labels, codes) -> tuple[stats.Interval, stats.Interval]:
+    first = stats.sorted_pass(champion, labels, codes)
+    second = stats.sorted_pass(challenger, labels, codes)
     return (
-        stats.normal_interval(a, stats.robust_variance(influence_a)),
-        stats.normal_interval(b - a, stats.robust_variance(influence_b - influence_a)),
+        stats.normal_interval(first.auc, stats.robust_variance(first.influence())),
+        stats.normal_interval(
+            second.auc - first.auc,
+            stats.robust_variance(second.influence() - first.influence()),
+        ),
     )
 
 
@@ -47,8 +49,8 @@ def test_auc_and_influence_match_sklearn_with_ties() -> None:
     rng = np.random.default_rng(1)
     scores = rng.integers(0, 20, size=3000) / 20.0  # many ties
     labels = (rng.random(3000) < scores * 0.6).astype(np.int8)
-    clusters = stats.Clusters(np.arange(3000, dtype=np.uint64))
-    area, influence = stats.auc_influence(scores, labels, clusters)
+    ordered = stats.sorted_pass(scores, labels, np.arange(3000), batch_rows=97)
+    area, influence = ordered.auc, ordered.influence()
     assert area == pytest.approx(roc_auc_score(labels, scores), abs=1e-12)
     assert influence.sum() == pytest.approx(0.0, abs=1e-9)  # influences are centred
     # With one record per unit the variance is DeLong's (up to its n/(n-1) factors).
@@ -65,7 +67,7 @@ def test_entity_intervals_cover_the_truth_when_records_repeat_50_times() -> None
     hits = {"entity": [0, 0], "request": [0, 0]}
     for _ in range(replications):
         champion, challenger, labels, entity = sample(rng, entities, repeats)
-        request = np.arange(len(labels), dtype=np.uint64)
+        request = np.arange(len(labels))
         for unit, keys in (("entity", entity), ("request", request)):
             auc, difference = analytic(champion, challenger, labels, keys)
             hits[unit][0] += covers(auc, TRUE_AUC)
@@ -81,17 +83,12 @@ def test_poisson_bootstrap_over_entities_covers_the_truth() -> None:
     rng = np.random.default_rng(7)
     replications, entities, repeats = 80, 60, 10
     hits = {"entity": 0, "request": 0}
-    for _ in range(replications):
+    for replication in range(replications):
         champion, _, labels, entity = sample(rng, entities, repeats)
-        ranked = stats.Ranked(champion, labels)
-        point = float(ranked.auc()[0])
-        for unit, keys in (("entity", entity), ("request", np.arange(len(labels)))):
-
-            def auc(weights: np.ndarray) -> tuple[np.ndarray]:
-                return (ranked.auc(weights[:, ranked.order]),)
-
-            (draws,) = stats.poisson_bootstrap(stats.Clusters(keys), 100, rng, auc)
-            hits[unit] += covers(stats.percentile_interval(point, draws), TRUE_AUC)
+        for unit, codes in (("entity", entity), ("request", np.arange(len(labels)))):
+            ordered = stats.sorted_pass(champion, labels, codes, resamples=100, seed=replication)
+            interval = stats.percentile_interval(ordered.auc, ordered.resampled_auc())
+            hits[unit] += covers(interval, TRUE_AUC)
     assert 0.86 <= hits["entity"] / replications <= 1.0, hits
     assert hits["request"] / replications < 0.6, hits
 
@@ -100,12 +97,20 @@ def test_ratio_influence_is_the_delta_method() -> None:
     rng = np.random.default_rng(5)
     flagged = (rng.random(5000) < 0.2).astype(float)
     hit = flagged * (rng.random(5000) < 0.4)
-    clusters = stats.Clusters(np.arange(5000, dtype=np.uint64))
-    precision, influence = stats.ratio_influence(hit, flagged, clusters)
+    precision, influence = stats.ratio_influence(hit, flagged)  # one record per cluster
     assert precision == pytest.approx(hit.sum() / flagged.sum())
     # Independent records: the variance of a proportion, p(1 - p) / n flagged.
     expected = precision * (1 - precision) / flagged.sum()
     assert stats.robust_variance(influence) == pytest.approx(expected, rel=1e-3)
+
+
+def test_poisson_weights_are_poisson_and_stable_per_cluster() -> None:
+    weights = stats.poisson_weights(np.arange(100_000), 4, seed=3)
+    assert weights.mean() == pytest.approx(1.0, abs=0.01)
+    assert weights.var() == pytest.approx(1.0, abs=0.02)
+    assert (weights == 0).mean() == pytest.approx(math.exp(-1), abs=0.005)
+    again = stats.poisson_weights(np.array([7, 3, 7]), 4, seed=3)
+    assert np.array_equal(again, weights[:, [7, 3, 7]])  # the same cluster, the same weight
 
 
 def test_ks_and_psi_match_scipy_on_large_samples() -> None:
