@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 from shadow_traffic import THRESHOLDS, Traffic, log_shadow_traffic, make_traffic, record
@@ -71,6 +72,9 @@ def test_figures_match_scipy_and_sklearn(experiment: tuple[Path, Path, Traffic])
         assert arm.labels is not None
         assert arm.labels.auc.estimate == pytest.approx(roc_auc_score(t.labels, scores))
         assert arm.labels.auc.low < arm.labels.auc.estimate < arm.labels.auc.high
+        fpr, tpr = np.array(arm.labels.roc).T  # the drawn curve: its area is the AUC
+        assert np.trapezoid(tpr, fpr) == pytest.approx(arm.labels.auc.estimate, abs=0.01)
+        assert arm.labels.entities == len(set(t.entity_ids))
         flagged_review, flagged_decline = scores >= THRESHOLDS.review, scores >= THRESHOLDS.decline
         assert arm.labels.precision_at_review.estimate == pytest.approx(
             precision_score(t.labels, flagged_review)
@@ -287,3 +291,36 @@ def test_html_report_renders_in_headless_chromium(
     # Rows with ink below the page's top: text, tables and plots all laid out.
     inked_rows = (rgb.min(axis=-1) < 128).any(axis=1)
     assert inked_rows[:200].any() and inked_rows.sum() > 800
+
+
+def test_the_documented_cluster_query_gives_auc_from_merged_bins(tmp_path: Path) -> None:
+    """docs/shadow.md's score-bin query, on Hive-partitioned logs: AUC within 1e-4."""
+    import duckdb
+
+    t = make_traffic(3000, seed=13)
+    may = int(datetime(2026, 5, 30, 23, 50, tzinfo=UTC).timestamp() * 10**9)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x", flush_interval_s=60)
+    for i in range(3000):  # twenty minutes across midnight: two date partitions
+        for arm in ("champion", "challenger"):
+            log.log(replace(record(t, i, arm, time_ns=may + i * 400_000_000),
+                            experiment="card-fraud", model="card-fraud"))  # fmt: skip
+    log.close()
+    assert {p.name for p in (tmp_path / "logs").glob("date=*")} == {
+        "date=2026-05-30", "date=2026-05-31"}  # fmt: skip
+    outcomes = tmp_path / "outcomes"
+    outcomes.mkdir()
+    pq.write_table(pa.table({"request_id": t.request_ids, "label": t.labels}),
+                   outcomes / "part-0.parquet")  # fmt: skip
+    doc = (Path(__file__).parents[3] / "docs" / "shadow.md").read_text()
+    (sql,) = re.findall(r"```sql\n(.*?)```", doc, flags=re.S)
+    sql = sql.replace("s3://bucket/shadow", str(tmp_path / "logs"))
+    sql = sql.replace("s3://bucket/outcomes", str(outcomes))
+    with duckdb.connect() as con:
+        *setup, query = [s for s in sql.split(";") if s.strip()]
+        for statement in setup:
+            con.execute(statement)
+        rows = con.execute(query).fetchall()
+    assert [(arm, version) for arm, version, _ in rows] == [("challenger", "2"), ("champion", "1")]
+    for arm, _, auc in rows:
+        scores = t.champion if arm == "champion" else t.challenger
+        assert auc == pytest.approx(roc_auc_score(t.labels, scores), abs=1e-4)
