@@ -31,11 +31,8 @@ def load_labels(con: duckdb.DuckDBPyConnection, path: str) -> str:
     parquet = inner.endswith((".parquet", ".pq"))
     try:
         if isinstance(fs, pafs.LocalFileSystem):
-            reader = "read_parquet" if parquet else "read_csv"
-            con.execute(
-                f"CREATE OR REPLACE TEMP VIEW labels_file AS SELECT * FROM {reader}("
-                f"{sql_text(inner)})"
-            )
+            reader = f"read_parquet({sql_text(inner)})" if parquet else _csv_reader(con, inner)
+            con.execute(f"CREATE OR REPLACE TEMP VIEW labels_file AS SELECT * FROM {reader}")
         else:
             con.register("labels_arrow", _read_remote(fs, inner, parquet))
             con.execute("CREATE OR REPLACE TEMP VIEW labels_file AS SELECT * FROM labels_arrow")
@@ -63,8 +60,18 @@ def load_labels(con: duckdb.DuckDBPyConnection, path: str) -> str:
     return key
 
 
+def _csv_reader(con: duckdb.DuckDBPyConnection, path: str) -> str:
+    """read_csv with the key columns kept as text ("007" stays "007", not the number 7)."""
+    names = [row[0] for row in con.execute(f"DESCRIBE SELECT * FROM read_csv({sql_text(path)})")
+             .fetchall()]  # fmt: skip
+    keys = [n for n in names if n in ("request_id", "entity_id")]
+    types = ", ".join(f"{sql_text(k)}: 'VARCHAR'" for k in keys)
+    return f"read_csv({sql_text(path)}, types = {{{types}}})"
+
+
 def _read_remote(fs: pafs.FileSystem, inner: str, parquet: bool) -> pa.Table:
     if parquet:
         return pq.read_table(inner, filesystem=fs)
+    text_keys = {"request_id": pa.string(), "entity_id": pa.string()}
     with fs.open_input_stream(inner) as stream:
-        return pacsv.read_csv(stream)
+        return pacsv.read_csv(stream, convert_options=pacsv.ConvertOptions(column_types=text_keys))
