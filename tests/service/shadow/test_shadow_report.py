@@ -324,3 +324,17 @@ def test_the_documented_cluster_query_gives_auc_from_merged_bins(tmp_path: Path)
     for arm, _, auc in rows:
         scores = t.champion if arm == "champion" else t.challenger
         assert auc == pytest.approx(roc_auc_score(t.labels, scores), abs=1e-4)
+
+
+def test_label_keys_are_text(tmp_path: Path) -> None:
+    """A CSV key that looks like a number keeps its digits: "007" is not "7"."""
+    t = make_traffic(2)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x")
+    for i, request_id in enumerate(("007", "7")):
+        log.log(replace(record(t, i, "champion"), request_id=request_id))
+    log.close()
+    labels = tmp_path / "labels.csv"
+    labels.write_text("request_id,label\n007,1\n7,0\n")
+    report = build_report(str(tmp_path / "logs"), labels_path=str(labels))
+    assert report.arms[0].labels is not None
+    assert (report.arms[0].labels.labelled, report.arms[0].labels.positives) == (2, 1)
