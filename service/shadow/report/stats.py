@@ -295,19 +295,17 @@ class SortedPass:
         pos_le, neg_le = self.m + np.cumsum(pos_g), self.n + np.cumsum(neg_g)
         neg_below_half = neg_le - 0.5 * neg_g
         self._area += float(np.dot(pos_g, neg_below_half))
-        self._neg_below += np.bincount(
-            codes, np.where(positive, per_row(neg_below_half), 0.0), minlength=k
-        )
-        self._pos_at_or_below += np.bincount(
-            codes, np.where(negative, per_row(pos_le - 0.5 * pos_g), 0.0), minlength=k
-        )
-        self.pos_per_cluster += np.bincount(codes, positive, minlength=k)
-        self.neg_per_cluster += np.bincount(codes, negative, minlength=k)
+        # np.add.at, not bincount: no array of every cluster per batch (millions of entities).
+        pos_codes, neg_codes = codes[positive], codes[negative]
+        np.add.at(self._neg_below, pos_codes, per_row(neg_below_half)[positive])
+        np.add.at(self._pos_at_or_below, neg_codes, per_row(pos_le - 0.5 * pos_g)[negative])
+        np.add.at(self.pos_per_cluster, pos_codes, 1.0)
+        np.add.at(self.neg_per_cluster, neg_codes, 1.0)
         if batch.decisions is not None:
             for level in (1, 2):
                 flagged = batch.decisions >= level
-                self.flagged[level] += np.bincount(codes, flagged, minlength=k)
-                self.hits[level] += np.bincount(codes, flagged & positive, minlength=k)
+                np.add.at(self.flagged[level], codes[flagged], 1.0)
+                np.add.at(self.hits[level], codes[flagged & positive], 1.0)
         if self.resamples:
             self._weighted(batch, first, positive, negative)
         if self._rank_sink is not None:
