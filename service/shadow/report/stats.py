@@ -269,7 +269,7 @@ class SortedPass:
         return tuple(sorted(points))
 
     def _process(self, batch: OrderedBatch) -> None:
-        scores, labels, codes, k = batch.scores, batch.labels, batch.codes, self.k
+        scores, labels, codes = batch.scores, batch.labels, batch.codes
         positive, negative = labels == 1, labels == 0
         first = np.empty(len(scores), dtype=bool)
         first[0] = True
