@@ -124,7 +124,10 @@ class Settings(BaseSettings):
     )
     shadow_max_queued_jobs: int = Field(1024, ge=1, description="Shadow jobs queued before drops.")
     shadow_flush_interval_s: float = Field(
-        1.0, gt=0, description="Experiment log files are written at least this often."
+        0.2,
+        gt=0,
+        description="Buffered experiment records reach the open log file at least this often "
+        "(what a kill -9 can lose).",
     )
     shadow_pass_interval_s: float = Field(
         0.1, ge=0, description="The shadow worker scores what has arrived at most this often."

@@ -1,17 +1,33 @@
-"""Shadow-mode and A/B evaluation: routing, off-path challenger scoring, logging, reports."""
+"""Shadow-mode and A/B evaluation: routing, off-path challenger scoring, logging, reports.
 
-from service.shadow.cli import configure_parser, run_shadow_report, shadow_report_main
-from service.shadow.dataset import AmbiguousExperiment, read_records
+The report (`service.shadow.report`: DuckDB, SciPy, Matplotlib) is imported on first use of
+one of its names, so the serving process, which only routes, scores and logs, never loads it.
+"""
+
+from typing import Any
+
 from service.shadow.errors import ExperimentConfigError, LabelsError, NoRecords, ShadowError
 from service.shadow.experiment import ExperimentConfig, ExperimentRouter, ModelExperiment, Route
-from service.shadow.html import render_html
 from service.shadow.job import ShadowJob
-from service.shadow.labels import read_labels
 from service.shadow.log import ExperimentLog
 from service.shadow.record import RECORD_SCHEMA, ExperimentRecord
-from service.shadow.report import ArmSummary, Comparison, Report, build_report
 from service.shadow.runner import ShadowRunner
-from service.shadow.stats import Interval
+from service.shadow.storage import AmbiguousExperiment, read_records
+
+_REPORT_NAMES = frozenset(
+    {
+        "ArmSummary",
+        "Comparison",
+        "Interval",
+        "Report",
+        "build_report",
+        "configure_parser",
+        "render_html",
+        "render_summary",
+        "run_shadow_report",
+        "shadow_report_main",
+    }
+)
 
 __all__ = [
     "RECORD_SCHEMA",
@@ -34,9 +50,17 @@ __all__ = [
     "ShadowRunner",
     "build_report",
     "configure_parser",
-    "read_labels",
     "read_records",
     "render_html",
+    "render_summary",
     "run_shadow_report",
     "shadow_report_main",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _REPORT_NAMES:
+        from service.shadow import report
+
+        return getattr(report, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,24 +1,38 @@
-"""`ExperimentLog`: buffer experiment records in memory, write Parquet files in the background.
+"""`ExperimentLog`: buffer experiment records in memory, roll them into Hive-partitioned Parquet.
 
-Layout under the prefix::
+Layout under the prefix (plain Hive partitioning, readable by any Parquet engine)::
 
-    <prefix>/<experiment>/<replica_id>/part-<utc-ns>-<seq>.parquet
+    <prefix>/date=<YYYY-MM-DD>/model=<model>/part-<replica_id>-<utc-ns>-<seq>.parquet
 
-Each flush writes new complete files, so several replicas share one prefix without clashing,
-a killed process loses at most what it buffered since its last flush, and files already
-written stay readable.
+Every `flush_interval_s` the buffered records are appended, as one Arrow batch, to the open
+file of their partition: an Arrow IPC stream in a spool folder, locked by its writer and
+flushed to the operating system. A file is rolled (converted to Parquet with large row groups
+and moved into place whole) once its spool holds `max_file_bytes` or is `max_file_age_s` old,
+and on `close`. A process killed with SIGKILL loses only the records it had not yet appended;
+the next `ExperimentLog` on the same spool folder finds the unlocked spool and publishes its
+complete batches. Readers never see a partial file: Parquet files appear by rename (locally)
+or when their upload completes (object stores), and spools end in ``.arrows``, inside a folder
+named with a leading underscore, which dataset readers skip.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from service.shadow.record import ExperimentRecord, records_to_table
+from service.shadow.record import RECORD_SCHEMA, ExperimentRecord, records_to_table
 from service.shadow.storage import (
     default_replica_id,
     resolve_prefix,
@@ -26,17 +40,200 @@ from service.shadow.storage import (
     write_table_atomically,
 )
 
-__all__ = ["ExperimentLog"]
+__all__ = [
+    "DEFAULT_FLUSH_INTERVAL_S",
+    "DEFAULT_MAX_FILE_AGE_S",
+    "DEFAULT_MAX_FILE_BYTES",
+    "ExperimentLog",
+    "PartitionWriter",
+]
+
+DEFAULT_FLUSH_INTERVAL_S = 0.2
+DEFAULT_MAX_FILE_BYTES = 128 * 2**20
+DEFAULT_MAX_FILE_AGE_S = 300.0
+ROW_GROUP_ROWS = 1_000_000
+SPOOL_SUFFIX = ".arrows"
 
 _log = logging.getLogger(__name__)
+
+
+class _Spool:
+    """One open file: an Arrow IPC stream under an exclusive lock, with its final name."""
+
+    def __init__(self, path: Path, relative: str) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path, self.relative = path, relative
+        self.opened_s = time.monotonic()
+        # Locked under a name recovery does not look for, then renamed: a recovering process
+        # never sees this spool unlocked while its writer lives.
+        fresh = path.with_name(f"{path.name}.new")
+        self._file = open(fresh, "wb")  # noqa: SIM115 - held open until the file rolls
+        fcntl.flock(self._file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fresh.rename(path)
+        self._writer = pa.ipc.new_stream(self._file, RECORD_SCHEMA)
+        self.rows = 0
+
+    def append(self, table: pa.Table) -> None:
+        self._writer.write_table(table, max_chunksize=len(table) or None)
+        self._file.flush()  # in the kernel's hands now: a killed process does not lose it
+        self.rows += len(table)
+
+    @property
+    def bytes(self) -> int:
+        return self._file.tell()
+
+    def end_stream(self) -> None:
+        with contextlib.suppress(OSError, pa.ArrowException):
+            self._writer.close()
+
+    def release(self) -> None:
+        self._file.close()
+
+
+def read_spool(path: Path) -> pa.Table:
+    """The complete batches of a spool; a batch cut short by a kill is left out."""
+    batches: list[pa.RecordBatch] = []
+    try:
+        with pa.ipc.open_stream(pa.memory_map(str(path))) as reader:
+            for batch in reader:
+                batches.append(batch)
+    except (pa.ArrowInvalid, OSError, EOFError):
+        pass  # a truncated tail: everything before it is whole
+    return pa.Table.from_batches(batches, RECORD_SCHEMA)
+
+
+class PartitionWriter:
+    """Appends tables to one open file per (date, model) partition and rolls them into place.
+
+    Not thread-safe: `ExperimentLog` serializes calls; a bulk writer (a benchmark's generator,
+    a backfill) may use one directly.
+    """
+
+    def __init__(
+        self,
+        fs: pafs.FileSystem,
+        root: str,
+        spool_dir: Path,
+        replica_id: str,
+        *,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_file_age_s: float = DEFAULT_MAX_FILE_AGE_S,
+    ) -> None:
+        if max_file_bytes <= 0 or max_file_age_s <= 0:
+            raise ValueError("max_file_bytes and max_file_age_s must be positive")
+        self._fs, self._root, self._spool_dir = fs, root, spool_dir
+        self.replica_id = replica_id
+        self.max_file_bytes, self.max_file_age_s = max_file_bytes, max_file_age_s
+        self._open: dict[tuple[str, str], _Spool] = {}
+        self._sequence = 0
+        self.files_written = 0
+        self.rows_published = 0
+
+    def append(self, table: pa.Table) -> None:
+        """Append `table` (in `RECORD_SCHEMA`) to its partitions' open files; roll full ones."""
+        for key, part in _partitions(table):
+            spool = self._open.get(key)
+            if spool is None:
+                spool = self._open[key] = self._new_spool(key)
+            spool.append(part)
+            if spool.bytes >= self.max_file_bytes:
+                self._publish(key)
+
+    def roll_due(self) -> None:
+        """Roll the files that reached their age."""
+        now = time.monotonic()
+        for key in [k for k, s in self._open.items() if now - s.opened_s >= self.max_file_age_s]:
+            self._publish(key)
+
+    def roll_all(self) -> None:
+        for key in list(self._open):
+            self._publish(key)
+
+    @property
+    def open_files(self) -> int:
+        return len(self._open)
+
+    def recover(self) -> int:
+        """Publish the spools no live writer holds (left by a killed process); returns rows."""
+        rows = 0
+        for path in sorted(self._spool_dir.rglob(f"*{SPOOL_SUFFIX}")):
+            try:
+                handle = open(path, "rb")  # noqa: SIM115 - closed below, after the lock
+            except FileNotFoundError:
+                continue
+            with handle:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # its writer is alive
+                table = read_spool(path)
+                relative = path.relative_to(self._spool_dir).as_posix()[: -len(SPOOL_SUFFIX)]
+                if table.num_rows:
+                    self._write(table, relative)
+                    rows += table.num_rows
+                path.unlink(missing_ok=True)
+        return rows
+
+    def _new_spool(self, key: tuple[str, str]) -> _Spool:
+        self._sequence += 1
+        date, model = key
+        relative = (
+            f"date={date}/model={model}/"
+            f"part-{self.replica_id}-{time.time_ns():020d}-{self._sequence:06d}.parquet"
+        )
+        return _Spool(self._spool_dir / f"{relative}{SPOOL_SUFFIX}", relative)
+
+    def _publish(self, key: tuple[str, str]) -> None:
+        spool = self._open.pop(key)
+        spool.end_stream()
+        try:
+            # Still locked while it is read, written and removed; after a failure it stays in
+            # the spool folder, unlocked, for the next recovery.
+            self._write(read_spool(spool.path), spool.relative)
+            spool.path.unlink(missing_ok=True)
+        finally:
+            spool.release()
+
+    def _write(self, table: pa.Table, relative: str) -> None:
+        # The final name comes from the spool's: publishing the same spool twice (a kill
+        # between the rename and the unlink) replaces the file instead of duplicating rows.
+        path = f"{self._root}/{relative}"
+        write_table_atomically(table, self._fs, path, row_group_size=ROW_GROUP_ROWS)
+        self.files_written += 1
+        self.rows_published += table.num_rows
+
+
+def _partitions(table: pa.Table) -> list[tuple[tuple[str, str], pa.Table]]:
+    if table.num_rows == 0:
+        return []
+    dates = pc.strftime(table.column("time"), format="%Y-%m-%d")
+    models = table.column("model")
+    first = (dates[0].as_py(), models[0].as_py())
+    if pc.all(pc.equal(dates, first[0])).as_py() and pc.all(pc.equal(models, first[1])).as_py():
+        return [((first[0], safe_segment(first[1])), table)]
+    keys = pc.binary_join_element_wise(dates, models, "\x00")
+    result = []
+    for key in pc.unique(keys).to_pylist():
+        date, model = key.split("\x00", 1)
+        result.append(((date, safe_segment(model)), table.filter(pc.equal(keys, key))))
+    return result
+
+
+def default_spool_dir(fs: pafs.FileSystem, root: str, replica_id: str) -> Path:
+    """Next to the files for a local prefix; in the temp folder for an object store."""
+    if isinstance(fs, pafs.LocalFileSystem):
+        return Path(root) / "_spool"
+    digest = hashlib.sha256(f"{type(fs).__name__}:{root}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / "riskserve-spool" / digest
 
 
 class ExperimentLog:
     """Thread-safe, never-blocking sink of experiment records.
 
     `log` only appends to a bounded list under a lock; a daemon thread swaps the list out
-    every `flush_interval_s` and writes it. When the buffer holds `max_buffered_records`, new
-    records are dropped and counted (and `on_drop(n)` is called, e.g. to bump a metric).
+    every `flush_interval_s` and appends it to the open files. When the buffer holds
+    `max_buffered_records`, new records are dropped and counted (and `on_drop(n)` is called,
+    e.g. to bump a metric).
     """
 
     def __init__(
@@ -44,15 +241,23 @@ class ExperimentLog:
         prefix: str,
         *,
         replica_id: str | None = None,
-        flush_interval_s: float = 1.0,
+        flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S,
         max_buffered_records: int = 100_000,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_file_age_s: float = DEFAULT_MAX_FILE_AGE_S,
+        spool_dir: str | os.PathLike[str] | None = None,
         filesystem: pafs.FileSystem | None = None,
         on_drop: Callable[[int], None] | None = None,
     ) -> None:
         if flush_interval_s <= 0 or max_buffered_records <= 0:
             raise ValueError("flush_interval_s and max_buffered_records must be positive")
-        self._fs, self._root = resolve_prefix(prefix, filesystem)
+        fs, root = resolve_prefix(prefix, filesystem)
         self.replica_id = safe_segment(replica_id) if replica_id else default_replica_id()
+        spool = Path(spool_dir) if spool_dir else default_spool_dir(fs, root, self.replica_id)
+        self._files = PartitionWriter(
+            fs, root, spool, self.replica_id,
+            max_file_bytes=max_file_bytes, max_file_age_s=max_file_age_s,
+        )  # fmt: skip
         self.flush_interval_s = flush_interval_s
         self.max_buffered_records = max_buffered_records
         self._on_drop = on_drop
@@ -62,14 +267,23 @@ class ExperimentLog:
         self._wake = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._sequence = 0
         self.dropped = 0
         self.written = 0
-        self.files_written = 0
+        """Records appended to an open file (safe from a process kill from then on)."""
+        self.recovered = 0
+        """Records published from spools a killed writer left behind."""
         self.write_errors = 0
 
+    @property
+    def files_written(self) -> int:
+        """Parquet files published so far."""
+        return self._files.files_written
+
     def start(self) -> ExperimentLog:
-        """Start the background flusher (idempotent); returns self for chaining."""
+        """Start the background flusher (idempotent); returns self for chaining.
+
+        Its first act publishes what a killed writer left in the spool folder.
+        """
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._run, name=f"experiment-log-{self.replica_id}", daemon=True
@@ -93,21 +307,38 @@ class ExperimentLog:
         return len(self._buffer)
 
     def flush(self) -> int:
-        """Write everything buffered now, one file per experiment; returns records written."""
+        """Append everything buffered now to the open files; returns records appended."""
         with self._write_lock:
             with self._lock:
                 batch, self._buffer = self._buffer, []
-            if not batch:
+            if batch:
+                try:
+                    self._files.append(records_to_table(batch, self.replica_id))
+                except OSError:
+                    self.write_errors += 1
+                    self._requeue_or_drop(batch)
+                    _log.exception("writing %d experiment records failed", len(batch))
+                    return 0
+                self.written += len(batch)
+            self._roll(self._files.roll_due)
+            return len(batch)
+
+    def recover(self) -> int:
+        """Publish spools left by killed writers now (`start` does it too); returns records."""
+        with self._write_lock:
+            try:
+                rows = self._files.recover()
+            except OSError:
+                self.write_errors += 1
+                _log.exception("recovering experiment spools failed")
                 return 0
-            written = 0
-            for experiment, records in _by_experiment(batch).items():
-                written += self._write(experiment, records)
-            return written
+            self.recovered += rows
+            return rows
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Refuse new records, stop the flusher and write what is left (call on SIGTERM).
+        """Refuse new records, stop the flusher, write what is left and roll every open file.
 
-        Blocking: from an event loop, call it through ``asyncio.to_thread``.
+        Call on SIGTERM. Blocking: from an event loop, call it through ``asyncio.to_thread``.
         """
         with self._lock:
             self._closed = True
@@ -115,8 +346,19 @@ class ExperimentLog:
         if self._thread is not None:
             self._thread.join(timeout_s)
         self.flush()
+        with self._write_lock:
+            self._roll(self._files.roll_all)
+
+    def _roll(self, roll: Callable[[], None]) -> None:
+        try:
+            roll()
+        except OSError:  # the spool stays; the next recovery publishes it
+            self.write_errors += 1
+            _log.exception("publishing an experiment log file failed")
 
     def _run(self) -> None:
+        if self.recover():
+            _log.info("published %d experiment records left by a stopped writer", self.recovered)
         while not self._closed:
             self._wake.wait(self.flush_interval_s)
             if self._closed:
@@ -125,23 +367,6 @@ class ExperimentLog:
                 self.flush()
             except Exception:  # the flusher must survive anything a filesystem raises
                 _log.exception("experiment log flush failed")
-
-    def _write(self, experiment: str, records: list[tuple[ExperimentRecord, int]]) -> int:
-        self._sequence += 1
-        path = (
-            f"{self._root}/{safe_segment(experiment)}/{self.replica_id}/"
-            f"part-{time.time_ns():020d}-{self._sequence:06d}.parquet"
-        )
-        try:
-            write_table_atomically(records_to_table(records, self.replica_id), self._fs, path)
-        except OSError:
-            self.write_errors += 1
-            self._requeue_or_drop(records)
-            _log.exception("writing %d experiment records failed", len(records))
-            return 0
-        self.written += len(records)
-        self.files_written += 1
-        return len(records)
 
     def _requeue_or_drop(self, records: list[tuple[ExperimentRecord, int]]) -> None:
         # Keep failed records for the next flush while they fit in the bound; drop the rest.
@@ -153,12 +378,3 @@ class ExperimentLog:
             self.dropped += lost
         if lost and self._on_drop is not None:
             self._on_drop(lost)
-
-
-def _by_experiment(
-    records: list[tuple[ExperimentRecord, int]],
-) -> dict[str, list[tuple[ExperimentRecord, int]]]:
-    groups: dict[str, list[tuple[ExperimentRecord, int]]] = {}
-    for item in records:
-        groups.setdefault(item[0].experiment, []).append(item)
-    return groups

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import pyarrow as pa
 
-__all__ = ["RECORD_SCHEMA", "ExperimentRecord", "records_to_table"]
+__all__ = ["RECORD_SCHEMA", "ExperimentRecord", "columns_to_table", "records_to_table"]
 
 RECORD_SCHEMA = pa.schema(
     [
@@ -74,4 +75,9 @@ def records_to_table(stamped: list[tuple[ExperimentRecord, int]], replica_id: st
         "served": [r.served for r in records],
         "replica_id": [replica_id] * len(records),
     }
-    return pa.Table.from_pydict(columns, schema=RECORD_SCHEMA)
+    return columns_to_table(columns)
+
+
+def columns_to_table(columns: Mapping[str, object]) -> pa.Table:
+    """One table in `RECORD_SCHEMA` from a column per field (lists, numpy or Arrow arrays)."""
+    return pa.Table.from_pydict(dict(columns), schema=RECORD_SCHEMA)

@@ -7,12 +7,24 @@ import os
 import re
 import socket
 import uuid
+from datetime import datetime
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-__all__ = ["default_replica_id", "resolve_prefix", "write_table_atomically"]
+from service.shadow.errors import NoRecords, ShadowError
+from service.shadow.record import RECORD_SCHEMA
+
+__all__ = [
+    "AmbiguousExperiment",
+    "default_replica_id",
+    "read_records",
+    "resolve_prefix",
+    "write_table_atomically",
+]
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -42,7 +54,9 @@ def resolve_prefix(
     return pafs.LocalFileSystem(), os.path.abspath(prefix)
 
 
-def write_table_atomically(table: pa.Table, fs: pafs.FileSystem, path: str) -> None:
+def write_table_atomically(
+    table: pa.Table, fs: pafs.FileSystem, path: str, *, row_group_size: int | None = None
+) -> None:
     """Write a complete Parquet file that readers see whole or not at all.
 
     Locally the file is written under a hidden temporary name (ignored by dataset discovery)
@@ -52,12 +66,12 @@ def write_table_atomically(table: pa.Table, fs: pafs.FileSystem, path: str) -> N
     parent = path.rsplit("/", 1)[0]
     fs.create_dir(parent, recursive=True)
     if not isinstance(fs, pafs.LocalFileSystem):
-        pq.write_table(table, path, filesystem=fs)
+        pq.write_table(table, path, filesystem=fs, row_group_size=row_group_size)
         return
     name = path.rsplit("/", 1)[1]
     temporary = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
     try:
-        pq.write_table(table, temporary, filesystem=fs)
+        pq.write_table(table, temporary, filesystem=fs, row_group_size=row_group_size)
         fs.move(temporary, path)
     except BaseException:
         _remove_quietly(fs, temporary)
@@ -67,3 +81,43 @@ def write_table_atomically(table: pa.Table, fs: pafs.FileSystem, path: str) -> N
 def _remove_quietly(fs: pafs.FileSystem, path: str) -> None:
     with contextlib.suppress(OSError):
         fs.delete_file(path)
+
+
+class AmbiguousExperiment(ShadowError):
+    """The prefix holds several experiments and none was chosen."""
+
+
+def read_records(
+    prefix: str,
+    *,
+    experiment: str | None = None,
+    start: datetime | None = None,
+    end: datetime | None = None,
+    filesystem: pafs.FileSystem | None = None,
+) -> pa.Table:
+    """Records under `prefix` (all sub-folders, all replicas) with start <= time < end."""
+    fs, root = resolve_prefix(prefix, filesystem)
+    try:
+        dataset = pads.dataset(root, schema=RECORD_SCHEMA, format="parquet", filesystem=fs)
+    except FileNotFoundError as exc:
+        raise NoRecords(f"nothing under {prefix}") from exc
+    condition = pc.scalar(True)
+    if experiment is not None:
+        condition = condition & (pc.field("experiment") == experiment)
+    if start is not None:
+        condition = condition & (pc.field("time") >= _utc_scalar(start))
+    if end is not None:
+        condition = condition & (pc.field("time") < _utc_scalar(end))
+    table = dataset.to_table(filter=condition)
+    if table.num_rows == 0:
+        raise NoRecords("no experiment records match the prefix and time window")
+    experiments = pc.unique(table.column("experiment")).to_pylist()
+    if len(experiments) > 1:
+        raise AmbiguousExperiment(f"several experiments: {sorted(experiments)}; choose one")
+    return table
+
+
+def _utc_scalar(moment: datetime) -> pa.Scalar:
+    if moment.tzinfo is None:
+        raise ValueError("start and end must carry a time zone (naive times are ambiguous)")
+    return pa.scalar(moment, type=pa.timestamp("ns", tz="UTC"))

@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -12,30 +17,96 @@ import pyarrow.parquet as pq
 from shadow_traffic import THRESHOLDS, make_traffic, record
 
 from service.shadow import ExperimentLog
+from tests.support.waiting import until
 
 WRITER = Path(__file__).with_name("shadow_writer_proc.py")
+DAY = datetime(2026, 3, 1, 12, tzinfo=UTC)
+DAY_NS = int(DAY.timestamp() * 10**9)
+
+
+def wait(condition: Callable[[], bool], timeout_s: float) -> None:
+    asyncio.run(until(condition, timeout_s))
 
 
 def request_ids(prefix: Path) -> list[str]:
+    if not parquet_files(prefix):
+        return []
     return pads.dataset(prefix, format="parquet").to_table().column("request_id").to_pylist()
 
 
-def test_layout_per_experiment_and_replica(tmp_path: Path) -> None:
+def parquet_files(prefix: Path) -> list[Path]:
+    return sorted(prefix.rglob("*.parquet"))
+
+
+def test_hive_layout_by_date_and_model(tmp_path: Path) -> None:
     traffic = make_traffic(10)
     log = ExperimentLog(str(tmp_path), replica_id="host-a/1", flush_interval_s=60)
     for i in range(10):
-        log.log(record(traffic, i, "champion"))
+        log.log(record(traffic, i, "champion", time_ns=DAY_NS + i))
     assert log.flush() == 10 and log.flush() == 0
-    log.log(record(traffic, 0, "challenger"))
+    assert parquet_files(tmp_path) == []  # appended to the open file, not yet rolled
+    log.log(record(traffic, 0, "challenger", time_ns=DAY_NS + 86_400 * 10**9))  # next day
     log.close()
-    files = sorted(p.relative_to(tmp_path).parts for p in tmp_path.rglob("*.parquet"))
-    assert [f[:2] for f in files] == [("fraud-demo", "host-a_1")] * 2
+    files = [p.relative_to(tmp_path).parts for p in parquet_files(tmp_path)]
+    assert [f[:2] for f in files] == [
+        ("date=2026-03-01", "model=fraud-demo"),
+        ("date=2026-03-02", "model=fraud-demo"),
+    ]
+    assert all(f[2].startswith("part-host-a_1-") for f in files)
     assert log.written == 11 and log.files_written == 2 and log.dropped == 0
     table = pq.read_table(tmp_path / Path(*files[0]))
     assert table.column("replica_id").to_pylist() == ["host-a_1"] * 10
     assert table.column("decision").to_pylist() == [
         THRESHOLDS.decide(s) for s in traffic.champion.tolist()
     ]
+    assert not list((tmp_path / "_spool").rglob("*.arrows"))  # every spool published
+    # Hive readers see the partition columns.
+    dataset = pads.dataset(tmp_path, format="parquet", partitioning="hive")
+    assert dataset.to_table(filter=pads.field("date") == "2026-03-02").num_rows == 1
+
+
+def test_files_roll_by_size(tmp_path: Path) -> None:
+    traffic = make_traffic(30)
+    log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60, max_file_bytes=1)
+    for i in range(30):
+        log.log(record(traffic, i, "champion", time_ns=DAY_NS))
+        if i % 10 == 9:
+            log.flush()
+    assert len(parquet_files(tmp_path)) == 3  # each append filled a file
+    log.close()
+    assert sorted(request_ids(tmp_path)) == sorted(traffic.request_ids)
+
+
+def test_files_roll_by_age_in_the_background(tmp_path: Path) -> None:
+    traffic = make_traffic(5)
+    log = ExperimentLog(
+        str(tmp_path), replica_id="r", flush_interval_s=0.02, max_file_age_s=0.1
+    ).start()
+    log.log(record(traffic, 0, "champion"))
+    wait(lambda: request_ids(tmp_path) == ["req-0"], timeout_s=10)
+    log.log(record(traffic, 1, "champion"))
+    wait(lambda: len(parquet_files(tmp_path)) == 2, timeout_s=10)
+    log.close()
+    assert sorted(request_ids(tmp_path)) == ["req-0", "req-1"]
+
+
+def test_a_day_at_2000_per_second_is_a_few_hundred_files(tmp_path: Path) -> None:
+    """Files per day from the default roll settings and a real spool's bytes per record."""
+    traffic = make_traffic(20_000)
+    log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60)
+    for i in range(20_000):
+        log.log(replace(record(traffic, i, "champion", time_ns=DAY_NS),
+                        request_id=f"{i:032x}", entity_id=f"card-{i % 5000:012d}"))  # fmt: skip
+    log.flush()
+    (spool,) = (tmp_path / "_spool").rglob("*.arrows")
+    bytes_per_record = spool.stat().st_size / 20_000
+    records_per_day = 2_000 * 86_400
+    by_size = records_per_day * bytes_per_record / log._files.max_file_bytes
+    by_age = 86_400 / log._files.max_file_age_s
+    files_per_day = math.ceil(max(by_size, by_age)) + 1  # + the file cut at midnight
+    assert 200 < files_per_day <= 400, (bytes_per_record, files_per_day)
+    log.close()
+    assert len(parquet_files(tmp_path)) == 1
 
 
 def test_full_buffer_drops_and_counts(tmp_path: Path) -> None:
@@ -50,17 +121,6 @@ def test_full_buffer_drops_and_counts(tmp_path: Path) -> None:
     assert len(request_ids(tmp_path)) == 4
 
 
-def test_background_flush_writes_within_interval(tmp_path: Path) -> None:
-    traffic = make_traffic(5)
-    log = ExperimentLog(str(tmp_path), flush_interval_s=0.05).start()
-    log.log(record(traffic, 0, "champion"))
-    deadline = time.monotonic() + 5
-    while log.written == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert request_ids(tmp_path) == ["req-0"]
-    log.close()
-
-
 def start_writer(prefix: Path, interval_s: float) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, str(WRITER), str(prefix), str(interval_s)],
@@ -70,22 +130,23 @@ def start_writer(prefix: Path, interval_s: float) -> subprocess.Popen[str]:
     )
 
 
-def wait_for_files(prefix: Path, count: int) -> None:
-    deadline = time.monotonic() + 20
-    while len(list(prefix.rglob("*.parquet"))) < count:
-        assert time.monotonic() < deadline, "writer wrote no files"
-        time.sleep(0.02)
+def spooled(prefix: Path) -> bool:
+    return any(p.stat().st_size > 1000 for p in (prefix / "_spool").rglob("*.arrows"))
 
 
-def test_sigkill_loses_at_most_the_last_interval(tmp_path: Path) -> None:
+def test_sigkill_loses_at_most_the_unflushed_interval(tmp_path: Path) -> None:
     interval_s = 0.2
     writer = start_writer(tmp_path, interval_s)
-    wait_for_files(tmp_path, 3)
+    wait(lambda: spooled(tmp_path), timeout_s=20)
     killed_ns = time.time_ns()
     writer.send_signal(signal.SIGKILL)
     out, _ = writer.communicate(timeout=10)
     accepted = {int(line.split()[0]): int(line.split()[1]) for line in out.splitlines()}
-    for path in tmp_path.rglob("*.parquet"):  # every visible file is complete
+    assert parquet_files(tmp_path) == []  # the open file was never rolled
+    # The next replica on this prefix publishes the dead writer's spool.
+    successor = ExperimentLog(str(tmp_path), replica_id="next")
+    assert successor.recover() > 0 and successor.recovered > 0
+    for path in parquet_files(tmp_path):  # every visible file is complete
         assert pq.read_table(path).num_rows > 0
     stored = [int(r) for r in request_ids(tmp_path)]
     assert len(stored) == len(set(stored)) and set(stored) <= set(accepted) | {max(accepted) + 1}
@@ -95,11 +156,12 @@ def test_sigkill_loses_at_most_the_last_interval(tmp_path: Path) -> None:
     oldest_lost_age_s = (killed_ns - min(accepted[i] for i in lost)) / 1e9
     assert oldest_lost_age_s < interval_s + 0.5
     assert stored == sorted(stored) and stored == list(range(len(stored)))
+    assert not list((tmp_path / "_spool").rglob("*.arrows"))
 
 
 def test_sigterm_close_keeps_exactly_one_record_per_accepted_request(tmp_path: Path) -> None:
     writer = start_writer(tmp_path, interval_s=0.3)
-    wait_for_files(tmp_path, 2)
+    wait(lambda: spooled(tmp_path), timeout_s=20)
     writer.send_signal(signal.SIGTERM)
     out, _ = writer.communicate(timeout=20)
     assert writer.returncode == 0
@@ -108,4 +170,4 @@ def test_sigterm_close_keeps_exactly_one_record_per_accepted_request(tmp_path: P
     accepted = sorted(int(line.split()[0]) for line in lines[:-1])
     stored = sorted(int(r) for r in request_ids(tmp_path))
     assert stored == accepted and len(stored) > 0
-    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".")]
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") or p.suffix == ".arrows"]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 import pytest
 from scipy import stats
 from shadow_traffic import THRESHOLDS, Traffic, log_shadow_traffic, make_traffic, record
@@ -71,6 +72,9 @@ def test_figures_match_scipy_and_sklearn(experiment: tuple[Path, Path, Traffic])
         assert arm.labels is not None
         assert arm.labels.auc.estimate == pytest.approx(roc_auc_score(t.labels, scores))
         assert arm.labels.auc.low < arm.labels.auc.estimate < arm.labels.auc.high
+        fpr, tpr = np.array(arm.labels.roc).T  # the drawn curve: its area is the AUC
+        assert np.trapezoid(tpr, fpr) == pytest.approx(arm.labels.auc.estimate, abs=0.01)
+        assert arm.labels.entities == len(set(t.entity_ids))
         flagged_review, flagged_decline = scores >= THRESHOLDS.review, scores >= THRESHOLDS.decline
         assert arm.labels.precision_at_review.estimate == pytest.approx(
             precision_score(t.labels, flagged_review)
@@ -95,13 +99,14 @@ def test_figures_match_scipy_and_sklearn(experiment: tuple[Path, Path, Traffic])
 
 
 def test_psi_binning_is_champion_deciles() -> None:
-    from service.shadow.stats import psi
+    from service.shadow.report.stats import psi
 
     rng = np.random.default_rng(3)
     expected, actual = rng.random(10_000), rng.random(10_000) ** 2
     edges = np.quantile(expected, np.linspace(0, 1, 11)[1:-1])
     e = np.histogram(expected, np.r_[-np.inf, edges, np.inf])[0] / 10_000
     a = np.histogram(actual, np.r_[-np.inf, edges, np.inf])[0] / 10_000
+    expected, actual = np.sort(expected), np.sort(actual)
     assert psi(expected, actual) == pytest.approx(np.sum((a - e) * np.log(a / e)), rel=1e-6)
     assert psi(expected, expected) == 0
 
@@ -148,7 +153,9 @@ def test_time_window_and_errors(tmp_path: Path) -> None:
     assert build_report(str(tmp_path / "logs"), experiment="other").records == 1
 
 
-def test_json_html_and_cli(experiment: tuple[Path, Path, Traffic], tmp_path: Path) -> None:
+def test_json_html_and_cli(
+    experiment: tuple[Path, Path, Traffic], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     prefix, labels, _ = experiment
     out_json, out_html = tmp_path / "r.json", tmp_path / "r.html"
     status = shadow_report_main([
@@ -156,11 +163,30 @@ def test_json_html_and_cli(experiment: tuple[Path, Path, Traffic], tmp_path: Pat
         "--bootstrap", "100", "--json", str(out_json), "--html", str(out_html),
         "--start", "2000-01-01T00:00:00"])  # fmt: skip
     assert status == 0
+    terminal = capsys.readouterr()
     data = json.loads(out_json.read_text())
+    # The key table in the terminal: per arm, then the comparison and the verdict.
+    champion, challenger = data["arms"]
+    comparison = data["comparisons"][0]
+    assert f"records from {data['first_record']} to {data['last_record']}" in terminal.out
+    assert "resampling unit: entity" in terminal.out
+    for arm in (champion, challenger):
+        auc = arm["labels"]["auc"]
+        row = (f"{arm['arm']}  ", f"{arm['records']:,}", f"{arm['labels']['labelled']:,}",
+               f"{auc['estimate']:.4f} [{auc['low']:.4f}, {auc['high']:.4f}]")  # fmt: skip
+        assert any(all(part in line for part in row) for line in terminal.out.splitlines())
+    assert f"PSI {comparison['psi']:.4f}" in terminal.out
+    assert f"KS {comparison['ks_statistic']:.4f}" in terminal.out
+    assert f"flips {comparison['decision_flips']:,}" in terminal.out
+    assert "verdict: challenger better at 95%" in terminal.out
+    assert "records read: 3,000 rows" in terminal.err  # progress, with the rows read
+    assert data["first_record"] <= data["last_record"]
     assert data["records"] == 2 * N and data["thresholds"] == {"review": 0.5, "decline": 0.8}
     assert data["comparisons"][0]["verdict"] == "challenger better at 95%"
     page = out_html.read_text()
     assert page.startswith("<!DOCTYPE html>") and "challenger better at 95%" in page
+    assert f"first record {data['first_record']}" in page and " - to -" not in page
+    assert "shadow engine call" in page  # the latency plot says what each arm's figure times
     images = re.findall(r'src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
     assert len(images) == 3  # scores, latency, ROC
     assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
@@ -172,6 +198,60 @@ def test_render_html_without_labels(experiment: tuple[Path, Path, Traffic]) -> N
     report = build_report(str(experiment[0]), bootstrap_resamples=10)
     page = render_html(report)
     assert page.count("data:image/png;base64,") == 2 and "no labels" in page
+
+
+def test_repeating_entities_widen_the_interval(tmp_path: Path) -> None:
+    """40 entities, each scored 50 times the same way: 2,000 records hold 40 records' worth."""
+    t = make_traffic(40, seed=5)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x", flush_interval_s=60)
+    for i in range(40):
+        for repeat in range(50):
+            for arm in ("champion", "challenger"):
+                log.log(replace(record(t, i, arm), request_id=f"{i}-{repeat}",
+                                entity_id=f"card-{i}"))  # fmt: skip
+    log.close()
+    labels = tmp_path / "labels.csv"
+    pacsv.write_csv(pa.table({"entity_id": [f"card-{i}" for i in range(40)],
+                             "label": t.labels}), labels)  # fmt: skip
+    by_entity = build_report(str(tmp_path / "logs"), labels_path=str(labels))
+    by_request = build_report(str(tmp_path / "logs"), labels_path=str(labels), unit="request")
+    assert (by_entity.interval_unit, by_request.interval_unit) == ("entity", "request")
+    for entity_arm, request_arm in zip(by_entity.arms, by_request.arms, strict=True):
+        assert entity_arm.labels is not None and request_arm.labels is not None
+        assert (entity_arm.labels.entities, request_arm.labels.entities) == (40, 2000)
+        assert entity_arm.labels.auc.estimate == pytest.approx(
+            roc_auc_score(t.labels, t.champion if entity_arm.arm == "champion" else t.challenger)
+        )
+        width = entity_arm.labels.auc.high - entity_arm.labels.auc.low
+        narrow = request_arm.labels.auc.high - request_arm.labels.auc.low
+        assert width > 4 * narrow  # about sqrt(50) = 7 times wider
+    boot = build_report(str(tmp_path / "logs"), labels_path=str(labels), bootstrap_resamples=200)
+    assert boot.interval_method == "bootstrap" and boot.arms[0].labels is not None
+    boot_width = boot.arms[0].labels.auc.high - boot.arms[0].labels.auc.low
+    entity_width = by_entity.arms[0].labels.auc.high - by_entity.arms[0].labels.auc.low  # type: ignore[union-attr]
+    assert 0.6 < boot_width / entity_width < 1.6  # both see 40 entities, not 2,000 records
+
+
+def test_ab_arms_compare_independently(tmp_path: Path) -> None:
+    t = make_traffic(800, seed=3)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x", flush_interval_s=60)
+    for i in range(800):  # A/B: each request goes to one arm only, both served
+        arm = "champion" if i % 2 else "challenger"
+        log.log(replace(record(t, i, arm), mode="ab", served=True))
+    log.close()
+    labels = tmp_path / "labels.csv"
+    pacsv.write_csv(pa.table({"request_id": t.request_ids, "label": t.labels}), labels)
+    report = build_report(str(tmp_path / "logs"), labels_path=str(labels))
+    (c,) = report.comparisons
+    assert c.pairs == 0 and c.auc_difference_method == "independent"
+    odd, even = np.arange(1, 800, 2), np.arange(0, 800, 2)
+    expected = roc_auc_score(t.labels[even], t.challenger[even]) - roc_auc_score(
+        t.labels[odd], t.champion[odd]
+    )
+    assert c.auc_difference is not None
+    assert c.auc_difference.estimate == pytest.approx(expected)
+    assert c.auc_difference.low < c.auc_difference.estimate < c.auc_difference.high
+    assert {a.latency_measure for a in report.arms} == {"served request, end to end"}
 
 
 # Matplotlib's first two colours, which draw the champion's and the challenger's lines.
@@ -211,3 +291,50 @@ def test_html_report_renders_in_headless_chromium(
     # Rows with ink below the page's top: text, tables and plots all laid out.
     inked_rows = (rgb.min(axis=-1) < 128).any(axis=1)
     assert inked_rows[:200].any() and inked_rows.sum() > 800
+
+
+def test_the_documented_cluster_query_gives_auc_from_merged_bins(tmp_path: Path) -> None:
+    """docs/shadow.md's score-bin query, on Hive-partitioned logs: AUC within 1e-4."""
+    import duckdb
+
+    t = make_traffic(3000, seed=13)
+    may = int(datetime(2026, 5, 30, 23, 50, tzinfo=UTC).timestamp() * 10**9)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x", flush_interval_s=60)
+    for i in range(3000):  # twenty minutes across midnight: two date partitions
+        for arm in ("champion", "challenger"):
+            log.log(replace(record(t, i, arm, time_ns=may + i * 400_000_000),
+                            experiment="card-fraud", model="card-fraud"))  # fmt: skip
+    log.close()
+    assert {p.name for p in (tmp_path / "logs").glob("date=*")} == {
+        "date=2026-05-30", "date=2026-05-31"}  # fmt: skip
+    outcomes = tmp_path / "outcomes"
+    outcomes.mkdir()
+    pq.write_table(pa.table({"request_id": t.request_ids, "label": t.labels}),
+                   outcomes / "part-0.parquet")  # fmt: skip
+    doc = (Path(__file__).parents[3] / "docs" / "shadow.md").read_text()
+    (sql,) = re.findall(r"```sql\n(.*?)```", doc, flags=re.S)
+    sql = sql.replace("s3://bucket/shadow", str(tmp_path / "logs"))
+    sql = sql.replace("s3://bucket/outcomes", str(outcomes))
+    with duckdb.connect() as con:
+        *setup, query = [s for s in sql.split(";") if s.strip()]
+        for statement in setup:
+            con.execute(statement)
+        rows = con.execute(query).fetchall()
+    assert [(arm, version) for arm, version, _ in rows] == [("challenger", "2"), ("champion", "1")]
+    for arm, _, auc in rows:
+        scores = t.champion if arm == "champion" else t.challenger
+        assert auc == pytest.approx(roc_auc_score(t.labels, scores), abs=1e-4)
+
+
+def test_label_keys_are_text(tmp_path: Path) -> None:
+    """A CSV key that looks like a number keeps its digits: "007" is not "7"."""
+    t = make_traffic(2)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x")
+    for i, request_id in enumerate(("007", "7")):
+        log.log(replace(record(t, i, "champion"), request_id=request_id))
+    log.close()
+    labels = tmp_path / "labels.csv"
+    labels.write_text("request_id,label\n007,1\n7,0\n")
+    report = build_report(str(tmp_path / "logs"), labels_path=str(labels))
+    assert report.arms[0].labels is not None
+    assert (report.arms[0].labels.labelled, report.arms[0].labels.positives) == (2, 1)

@@ -17,6 +17,7 @@ from modelkit import write_sequence_model
 from waiting import until
 
 from service.shadow import ShadowJob, ShadowRunner
+from service.shadow.log import read_spool
 
 MODEL = "seq-mini"
 
@@ -150,7 +151,8 @@ def test_dead_worker_counts_its_jobs_as_dropped_and_is_replaced(models: Path, tm
         runner = runner_for(models, tmp_path, restart_delay_s=0.05, flush_interval_s=0.05)
         runner.start()
         assert runner.submit(job(0))
-        await until(lambda: any(tmp_path.rglob("*.parquet")))  # kill -9 loses what is unwritten
+        # Appended to the open file: a kill -9 no longer loses it (the next worker publishes it).
+        await until(lambda: any(read_spool(p).num_rows for p in tmp_path.rglob("*.arrows")))
         first = runner.worker_pid
         assert first is not None
         os.kill(first, signal.SIGKILL)

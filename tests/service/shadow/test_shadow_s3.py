@@ -41,7 +41,9 @@ def test_two_replicas_on_s3_read_as_one_experiment(s3: tuple[pafs.S3FileSystem, 
     log_shadow_traffic(traffic, logs)
     listing = fs.get_file_info(pafs.FileSelector("experiments/shadow", recursive=True))
     files = sorted(i.path for i in listing if i.type == pafs.FileType.File)
-    assert [f.split("/")[2:4] for f in files] == [["fraud-demo", "pod-a"], ["fraud-demo", "pod-b"]]
+    parts = [f.split("/")[2:] for f in files]
+    assert [p[1] for p in parts] == ["model=fraud-demo"] * 2 and parts[0][0].startswith("date=")
+    assert [p[2].split("-")[1:3] for p in parts] == [["pod", "a"], ["pod", "b"]]
     report = build_report("experiments/shadow", filesystem=fs, bootstrap_resamples=10)
     assert report.replicas == ("pod-a", "pod-b") and report.records == 600
     assert report.comparisons[0].pairs == 300

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from service.shadow.report import DECISIONS, Report
+from service.shadow.report.build import DECISIONS, Report
 
 __all__ = ["render_html"]
 
@@ -27,8 +27,11 @@ def render_html(report: Report) -> str:
     parts = [
         f"<h1>Experiment {_e(report.experiment)} ({_e(report.model)})</h1>",
         f"<p>{report.records} records from {len(report.replicas)} replica(s); "
-        f"modes {_e(', '.join(report.modes))}; window {_e(report.start or '-')} to "
-        f"{_e(report.end or '-')}; thresholds {_e(_thresholds(report))}.</p>",
+        f"modes {_e(', '.join(report.modes))}; first record {_e(report.first_record)}, "
+        f"last {_e(report.last_record)}{_e(_window(report))}; thresholds "
+        f"{_e(_thresholds(report))}.</p>",
+        f"<p>95% intervals: {_e(_method(report))}; resampling unit: "
+        f"{_e(report.interval_unit)}.</p>",
         "<h2>Arms</h2>",
         _arms_table(report),
     ]
@@ -41,6 +44,7 @@ def render_html(report: Report) -> str:
                 [
                     ["paired requests", comparison.pairs],
                     ["decision agreement", comparison.decision_agreement],
+                    ["decision flips", comparison.decision_flips],
                     ["Pearson", comparison.pearson],
                     ["Spearman", comparison.spearman],
                     ["mean |diff|", comparison.mean_abs_diff],
@@ -70,6 +74,19 @@ def render_html(report: Report) -> str:
 
 def _e(text: str) -> str:
     return html.escape(str(text))
+
+
+def _window(report: Report) -> str:
+    if report.start is None and report.end is None:
+        return ""
+    return f" (window asked: {report.start or 'the first record'} to {report.end or 'the last'})"
+
+
+def _method(report: Report) -> str:
+    if report.interval_method == "bootstrap":
+        unit, resamples = report.interval_unit, report.bootstrap_resamples
+        return f"Poisson bootstrap over each {unit}, {resamples} resamples"
+    return "analytic: DeLong for AUC, the delta method for precision and recall"
 
 
 def _thresholds(report: Report) -> str:
@@ -103,17 +120,19 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
 def _arms_table(report: Report) -> str:
     volume = _table(
         ["arm", "version", "records", "served", "latency p50 ms", "latency p99 ms",
-         "approve / review / decline"],
+         "latency timed", "approve / review / decline"],
         [[_e(a.arm), _e(a.version), a.records, a.served, a.latency_ms_p50, a.latency_ms_p99,
-          " / ".join(str(a.decisions[d]) for d in DECISIONS)] for a in report.arms],
+          _e(a.latency_measure), " / ".join(str(a.decisions[d]) for d in DECISIONS)]
+         for a in report.arms],
     )  # fmt: skip
     labelled = [a for a in report.arms if a.labels is not None]
     if not labelled:
         return volume + "<p>no labels: quality not measured</p>"
     quality = _table(
-        ["arm", "version", "labelled", "AUC [95% CI]", "precision@review", "recall@review",
-         "precision@decline", "recall@decline"],
-        [[_e(a.arm), _e(a.version), m.labelled, _ci(m.auc), _ci(m.precision_at_review),
+        ["arm", "version", "labelled", "units", "AUC [95% CI]",
+         "precision@review", "recall@review", "precision@decline", "recall@decline"],
+        [[_e(a.arm), _e(a.version), m.labelled, m.entities, _ci(m.auc),
+          _ci(m.precision_at_review),
           _ci(m.recall_at_review), _ci(m.precision_at_decline), _ci(m.recall_at_decline)]
          for a in labelled if (m := a.labels) is not None],
     )  # fmt: skip
@@ -140,6 +159,10 @@ def _label(arm: Any) -> str:
     return f"{arm.arm} {arm.version}"
 
 
+def _latency_label(arm: Any) -> str:
+    return f"{arm.arm} {arm.version}: {arm.latency_measure}"
+
+
 def _score_plot(ax: Any, report: Report) -> None:
     for arm in report.arms:
         h = arm.score_histogram
@@ -154,9 +177,11 @@ def _score_plot(ax: Any, report: Report) -> None:
 def _latency_plot(ax: Any, report: Report) -> None:
     for arm in report.arms:
         h = arm.latency_histogram
-        ax.stairs(h.counts, h.edges, label=_label(arm), fill=False, linewidth=1.5)
+        ax.stairs(h.counts, h.edges, label=_latency_label(arm), fill=False, linewidth=1.5)
     ax.set_xscale("log")
-    ax.set(title="Latency", xlabel="latency (ms, log scale)", ylabel="records")
+    measures = {arm.latency_measure for arm in report.arms}
+    title = "Latency" if len(measures) == 1 else "Latency (the arms time different things)"
+    ax.set(title=title, xlabel="latency (ms, log scale)", ylabel="records")
     ax.legend()
 
 

@@ -1,4 +1,4 @@
-"""``riskserve shadow-report``: build an experiment report and write it as JSON and/or HTML."""
+"""``riskserve shadow-report``: build an experiment report, print its key table, write files."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from pathlib import Path
 
 from engines.manifest import Thresholds, load_manifest
 from service.shadow.errors import ShadowError
-from service.shadow.html import render_html
-from service.shadow.report import DEFAULT_RESAMPLES, DEFAULT_SEED, Report, build_report
+from service.shadow.report.build import (
+    DEFAULT_MEMORY_LIMIT,
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    build_report,
+    elapsed_printer,
+)
+from service.shadow.report.html import render_html
+from service.shadow.report.summary import render_summary
 
 __all__ = ["configure_parser", "run_shadow_report", "shadow_report_main"]
 
@@ -26,15 +33,28 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--model-dir", type=Path, help="model version folder: its thresholds")
     parser.add_argument("--review", type=float, help="review threshold (with --decline)")
     parser.add_argument("--decline", type=float, help="decline threshold (with --review)")
-    parser.add_argument("--bootstrap", type=int, default=DEFAULT_RESAMPLES, help="resamples")
+    parser.add_argument(
+        "--bootstrap", type=int, default=DEFAULT_RESAMPLES,
+        help="Poisson-bootstrap resamples for the intervals; 0 = analytic (DeLong)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--unit", choices=("entity", "request"), default="entity",
+        help="what the intervals treat as independent (default: entity)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="bootstrap seed")
+    parser.add_argument(
+        "--memory-limit", default=DEFAULT_MEMORY_LIMIT,
+        help="DuckDB memory cap, e.g. 1GB (it spills to disk beyond it)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, help="DuckDB threads (default: all cores)")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     parser.add_argument("--json", type=Path, help="write the report as JSON here")
     parser.add_argument("--html", type=Path, help="write the report as an HTML page here")
     return parser
 
 
 def run_shadow_report(args: argparse.Namespace) -> int:
-    """Run with parsed options; prints a summary, returns the exit status."""
+    """Run with parsed options; prints the key table, returns the exit status."""
     try:
         report = build_report(
             args.prefix,
@@ -45,6 +65,10 @@ def run_shadow_report(args: argparse.Namespace) -> int:
             experiment=args.experiment,
             bootstrap_resamples=args.bootstrap,
             seed=args.seed,
+            unit=args.unit,
+            memory_limit=args.memory_limit,
+            threads=args.threads,
+            progress=None if args.quiet else elapsed_printer(sys.stderr),
         )
     except ShadowError as exc:
         print(f"shadow-report: {exc}", file=sys.stderr)
@@ -53,7 +77,7 @@ def run_shadow_report(args: argparse.Namespace) -> int:
         args.json.write_text(report.to_json())
     if args.html:
         args.html.write_text(render_html(report))
-    print(_summary(report))
+    print(render_summary(report))
     return 0
 
 
@@ -73,10 +97,3 @@ def _thresholds(args: argparse.Namespace) -> Thresholds | None:
     if args.review is not None and args.decline is not None:
         return Thresholds(review=args.review, decline=args.decline)
     return None
-
-
-def _summary(report: Report) -> str:
-    lines = [f"{report.experiment}: {report.records} records, replicas {len(report.replicas)}"]
-    lines += [f"  {a.arm} {a.version}: {a.records} records" for a in report.arms]
-    lines += [f"  vs {c.challenger_version}: {c.verdict}" for c in report.comparisons]
-    return "\n".join(lines)
