@@ -129,6 +129,17 @@ class Settings(BaseSettings):
         description="Buffered experiment records reach the open log file at least this often "
         "(what a kill -9 can lose).",
     )
+    shadow_max_file_bytes: int = Field(
+        128 * 2**20,
+        gt=0,
+        description="An experiment log file is closed and published at this size.",
+    )
+    shadow_max_file_age_s: float = Field(
+        300.0,
+        gt=0,
+        description="An experiment log file is closed and published at this age: the delay "
+        "before a report sees a record.",
+    )
     shadow_pass_interval_s: float = Field(
         0.1, ge=0, description="The shadow worker scores what has arrived at most this often."
     )

@@ -30,6 +30,7 @@ from service.shadow import (
     ShadowJob,
     ShadowRunner,
 )
+from service.shadow.log import DEFAULT_MAX_FILE_AGE_S, DEFAULT_MAX_FILE_BYTES
 from service.telemetry import Telemetry
 
 __all__ = ["Experiments"]
@@ -48,6 +49,8 @@ class Experiments:
         *,
         max_queued_jobs: int,
         flush_interval_s: float,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        max_file_age_s: float = DEFAULT_MAX_FILE_AGE_S,
         pass_interval_s: float = 0.1,
         shadow_cpus: Collection[int] = (),
         telemetry: Telemetry | None = None,
@@ -57,7 +60,8 @@ class Experiments:
         self._mtime_ns = config_path.stat().st_mtime_ns
         self.router = ExperimentRouter(ExperimentConfig.from_json_file(config_path))
         registry.follow(self.router)
-        self.log = ExperimentLog(log_prefix, flush_interval_s=flush_interval_s)
+        rolling = {"max_file_bytes": max_file_bytes, "max_file_age_s": max_file_age_s}
+        self.log = ExperimentLog(log_prefix, flush_interval_s=flush_interval_s, **rolling)
         self._metrics = telemetry.metrics if telemetry is not None else None
         # The worker process writes the challenger records as a replica of its own.
         self.runner = ShadowRunner(
@@ -65,6 +69,7 @@ class Experiments:
             log_prefix,
             replica_id=f"{self.log.replica_id}-shadow",
             flush_interval_s=flush_interval_s,
+            log_rolling=rolling,
             max_queued_jobs=max_queued_jobs,
             pass_interval_s=pass_interval_s,
             cpus=shadow_cpus,

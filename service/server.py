@@ -179,6 +179,8 @@ async def build_server(
             settings.shadow_log_prefix,
             max_queued_jobs=settings.shadow_max_queued_jobs,
             flush_interval_s=settings.shadow_flush_interval_s,
+            max_file_bytes=settings.shadow_max_file_bytes,
+            max_file_age_s=settings.shadow_max_file_age_s,
             pass_interval_s=settings.shadow_pass_interval_s,
             shadow_cpus=settings.shadow_cpu_set,
             telemetry=telemetry,

@@ -7,7 +7,7 @@ ten times more per job.
 
 Server to worker::
 
-    ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s)   first, once
+    ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s, log_rolling)  first
     ("version", model, version, model_dir)                  before the first job that needs it
     ("job", model, experiment, versions, champion_version, mode,
      request_ids, entity_ids, champion_scores, arrays)

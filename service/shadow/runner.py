@@ -21,7 +21,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ class ShadowRunner:
         *,
         replica_id: str,
         flush_interval_s: float = 1.0,
+        log_rolling: Mapping[str, float] | None = None,
         max_queued_jobs: int = 1024,
         pass_interval_s: float = 0.1,
         cpus: Collection[int] = (),
@@ -75,7 +76,16 @@ class ShadowRunner:
         if max_queued_jobs <= 0:
             raise ValueError("max_queued_jobs must be positive")
         self._version_dir = version_dir
-        self._config = ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s)
+        # The worker's log rolls its files as the server's does (`ExperimentLog` keywords).
+        rolling = dict(log_rolling or {})
+        self._config = (
+            "config",
+            log_prefix,
+            replica_id,
+            flush_interval_s,
+            pass_interval_s,
+            rolling,
+        )
         self.max_queued_jobs = max_queued_jobs
         self.cpus = frozenset(cpus)  # empty: the worker runs where the server may
         self._restart_delay_s = restart_delay_s

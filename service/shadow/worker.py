@@ -71,8 +71,10 @@ def serve(sock: socket.socket) -> None:
     if not first or first[0][0] != "config":
         _log.error("shadow worker: no configuration received; exiting")
         return
-    _, prefix, replica_id, flush_interval_s, pass_interval_s = first[0]
-    log = ExperimentLog(prefix, replica_id=replica_id, flush_interval_s=flush_interval_s).start()
+    _, prefix, replica_id, flush_interval_s, pass_interval_s, rolling = first[0]
+    log = ExperimentLog(
+        prefix, replica_id=replica_id, flush_interval_s=flush_interval_s, **rolling
+    ).start()
     scorer = ChallengerScorer(log)
     acknowledging = True
     try:

@@ -103,6 +103,7 @@ def experiment_server(models: Path, config: Path, logs: Path, **settings: object
         experiments_file=config,
         shadow_log_prefix=str(logs),
         shadow_flush_interval_s=0.1,
+        shadow_max_file_age_s=0.2,  # records reach Parquet files soon after they are served
         default_model=MODEL,
         budget_ms=5000,
         onnx_variants=False,
