@@ -25,6 +25,7 @@ from service.config import Settings
 from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
+from service.handlers.stream import MessageStreams
 from service.health import DrainingHealth
 from service.registry import EngineFactory, ModelRegistry, default_engines
 from service.reload import ModelWatcher
@@ -63,6 +64,7 @@ class RiskServer:
     experiments: Experiments | None = None
     watcher: ModelWatcher | None = None
     certificates: CertificateFiles | None = None
+    streams: MessageStreams | None = None
 
     async def stop(self) -> None:
         """Refuse new work, let queued and in-flight requests finish, then stop."""
@@ -70,6 +72,9 @@ class RiskServer:
         if self.watcher is not None:
             await self.watcher.close()
         self.oip.draining = True
+        if self.streams is not None:
+            # Streams stop reading and end once what they read is answered, within the grace.
+            self.streams.drain()
         await self.health.enter_graceful_shutdown()
         # The server stops taking calls and waits for those in flight, which need the batchers.
         await self.server.stop(grace_s)
@@ -192,9 +197,12 @@ async def build_server(
     auth = _auth(settings)
     interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
-    oip_servicer = InferenceServicer(registry, settings.budget_s, _server_version(), telemetry)
+    streams = MessageStreams(settings.max_stream_in_flight, settings.budget_s)
+    oip_servicer = InferenceServicer(
+        registry, settings.budget_s, _server_version(), telemetry, streams=streams
+    )
     risk_servicer = RiskScoringServicer(
-        registry, settings.default_model, settings.budget_s, experiments, telemetry
+        registry, settings.default_model, settings.budget_s, experiments, telemetry, streams=streams
     )
     server.add_generic_rpc_handlers(
         (
@@ -237,6 +245,7 @@ async def build_server(
         experiments,
         watcher,
         certificates,
+        streams,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -11,11 +12,18 @@ from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
 from service.codec import decode_infer_request, encode_infer_response
 from service.handlers.boundary import (
+    Malformed,
     deadline_for,
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
+)
+from service.handlers.stream import (
+    DEFAULT_MAX_IN_FLIGHT,
+    MessageContext,
+    MessageStreams,
+    stream_method,
 )
 from service.registry import ModelRegistry, ModelVersion
 from service.telemetry import Telemetry
@@ -45,8 +53,10 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         budget_s: float,
         server_version: str,
         telemetry: Telemetry | None = None,
+        streams: MessageStreams | None = None,
     ) -> None:
         self.telemetry = telemetry
+        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget_s)
         self._registry = registry
         self._budget_s = budget_s
         self._server_version = server_version
@@ -120,11 +130,59 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
+        return await self._infer_one(request, deadline_for(context, self._budget_s))
+
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[oip.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await self.streams.serve(request_iterator, context, self, _INFER_STREAM)
+
+    async def _infer_one(
+        self, request: oip.ModelInferRequest, deadline: float
+    ) -> oip.ModelInferResponse:
+        """Score one request by monotonic time `deadline`: ModelInfer's path, and each
+        message's of ModelStreamInfer."""
         note_model(request.model_name, request.model_version)
         model = self._registry.get(request.model_name, request.model_version)
         decode_started_ns = time.monotonic_ns()
         rows = decode_infer_request(request, model.manifest)
         note_validated(decode_started_ns)
-        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        scored = await model.batcher.submit(rows, deadline)
         note_scored(self.telemetry, model.name, model.version, scored)
         return encode_infer_response(request, model.version, model.manifest.output, scored.scores)
+
+
+async def _infer_message(
+    servicer: InferenceServicer, request: oip.ModelInferRequest, context: MessageContext
+) -> oip.ModelStreamInferResponse:
+    reply = await servicer._infer_one(request, deadline_for(context, servicer._budget_s))
+    return oip.ModelStreamInferResponse(infer_response=reply)
+
+
+def _infer_error(
+    request: oip.ModelInferRequest | Malformed, code: grpc.StatusCode, details: str
+) -> oip.ModelStreamInferResponse:
+    """Triton's answer to a failed stream request: the error and the request's id."""
+    if isinstance(request, Malformed):
+        return oip.ModelStreamInferResponse(error_message=details)
+    return oip.ModelStreamInferResponse(
+        error_message=details,
+        infer_response=oip.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+def _message_budget_s(request: oip.ModelInferRequest) -> float | None:
+    """Triton's per-request `timeout` parameter, in microseconds, when given."""
+    parameters = request.parameters
+    if "timeout" in parameters:
+        timeout_us = parameters["timeout"].int64_param
+        if timeout_us > 0:
+            return timeout_us / 1e6
+    return None
+
+
+_INFER_STREAM = stream_method("ModelStreamInfer", _infer_message, _infer_error, _message_budget_s)

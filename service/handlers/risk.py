@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -13,11 +14,18 @@ from service.batcher import Scored
 from service.codec import DECISIONS, decode_score_batch, decode_score_request
 from service.experiments import Experiments
 from service.handlers.boundary import (
+    Malformed,
     deadline_for,
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
+)
+from service.handlers.stream import (
+    DEFAULT_MAX_IN_FLIGHT,
+    MessageContext,
+    MessageStreams,
+    stream_method,
 )
 from service.registry import ModelRegistry, ModelVersion
 from service.telemetry import Telemetry
@@ -35,8 +43,10 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         budget_s: float,
         experiments: Experiments | None = None,
         telemetry: Telemetry | None = None,
+        streams: MessageStreams | None = None,
     ) -> None:
         self.telemetry = telemetry
+        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget_s)
         self._registry = registry
         self._default_model = default_model
         self._budget_s = budget_s
@@ -49,6 +59,11 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreResponse:
+        return await self._score_one(request, deadline_for(context, self._budget_s))
+
+    async def _score_one(self, request: pb.ScoreRequest, deadline: float) -> pb.ScoreResponse:
+        """Score one request by monotonic time `deadline`: Score's path, and each message's of
+        ScoreStream."""
         started = time.perf_counter()
         name = request.model or self._default_model
         version = request.model_version
@@ -61,7 +76,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         decode_started_ns = time.monotonic_ns()
         rows = decode_score_request(request, model.manifest)
         note_validated(decode_started_ns)
-        scored = await model.batcher.submit(rows, deadline_for(context, self._budget_s))
+        scored = await model.batcher.submit(rows, deadline)
         reply = _response(request.request_id, model, scored, 0, started)
         note_scored(
             self.telemetry, model.name, model.version, scored, pb.Decision.Name(reply.decision)
@@ -77,6 +92,11 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 time.perf_counter() - started,
             )
         return reply
+
+    async def ScoreStream(
+        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.streams.serve(request_iterator, context, self, _SCORE_STREAM)
 
     @rpc_boundary
     async def ScoreBatch(
@@ -154,6 +174,26 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         )
 
 
+async def _score_message(
+    servicer: RiskScoringServicer, request: pb.ScoreRequest, context: MessageContext
+) -> pb.ScoreResponse:
+    return await servicer._score_one(request, deadline_for(context, servicer._budget_s))
+
+
+def _score_error(
+    request: pb.ScoreRequest | Malformed, code: grpc.StatusCode, details: str
+) -> pb.ScoreResponse:
+    request_id = "" if isinstance(request, Malformed) else request.request_id
+    return pb.ScoreResponse(
+        request_id=request_id, status=pb.Status(code=code.value[0], message=details)
+    )
+
+
+def _message_budget_s(request: pb.ScoreRequest) -> float | None:
+    timeout_us = request.timeout_us
+    return timeout_us / 1e6 if timeout_us else None
+
+
 def _response(
     request_id: str, model: ModelVersion, scored: Scored, row: int, started: float
 ) -> pb.ScoreResponse:
@@ -182,3 +222,6 @@ def _response(
             batch_size=scored.batch_rows,
         ),
     )
+
+
+_SCORE_STREAM = stream_method("ScoreStream", _score_message, _score_error, _message_budget_s)

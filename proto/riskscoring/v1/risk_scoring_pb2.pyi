@@ -25,7 +25,7 @@ class HistoryRow(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "entity_id", "model", "model_version", "features", "history")
+    __slots__ = ("request_id", "entity_id", "model", "model_version", "features", "history", "timeout_us")
     class FeaturesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -39,13 +39,15 @@ class ScoreRequest(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     entity_id: str
     model: str
     model_version: str
     features: _containers.ScalarMap[str, float]
     history: _containers.RepeatedCompositeFieldContainer[HistoryRow]
-    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., features: _Optional[_Mapping[str, float]] = ..., history: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ...) -> None: ...
+    timeout_us: int
+    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., features: _Optional[_Mapping[str, float]] = ..., history: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ..., timeout_us: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("total_us", "queue_us", "engine_us", "batch_size")
@@ -60,7 +62,7 @@ class Timings(_message.Message):
     def __init__(self, total_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., engine_us: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "score", "decision", "model", "model_version", "engine", "fallback_reason", "timings", "degraded")
+    __slots__ = ("request_id", "score", "decision", "model", "model_version", "engine", "fallback_reason", "timings", "degraded", "status")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +72,7 @@ class ScoreResponse(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     score: float
     decision: Decision
@@ -79,7 +82,16 @@ class ScoreResponse(_message.Message):
     fallback_reason: str
     timings: Timings
     degraded: bool
-    def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., degraded: _Optional[bool] = ...) -> None: ...
+    status: Status
+    def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., degraded: _Optional[bool] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
     __slots__ = ("model", "model_version", "requests")
