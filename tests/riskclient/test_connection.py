@@ -66,9 +66,9 @@ def test_unary_and_stream_calls_carry_tls_and_the_token(secured):
             assert stream.score(request(2)).request_id == "t2"
 
     async def run():
-        async with AsyncRiskClient(connection=connection(live, files), timeout_s=5) as client:
-            async with client.stream() as stream:
-                return await asyncio.gather(*(stream.score(request(i)) for i in range(10)))
+        client = AsyncRiskClient(connection=connection(live, files), timeout_s=5)
+        async with client, client.stream() as stream:
+            return await asyncio.gather(*(stream.score(request(i)) for i in range(10)))
 
     assert [r.request_id for r in asyncio.run(run())] == [f"t{i}" for i in range(10)]
 
