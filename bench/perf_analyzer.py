@@ -50,6 +50,7 @@ class PerfPlan:
     windows: int = 3
     max_threads: int = 16
     timeout_s: float = 120.0
+    streaming: bool = False  # ModelStreamInfer: one stream per concurrent request slot
 
 
 class PerfAnalyzer:
@@ -122,6 +123,8 @@ class PerfAnalyzer:
             "-f",
             str(csv_path),
         ]
+        if plan.streaming:
+            argv.append("--streaming")
         if mode == "rate":
             argv += ["--request-rate-range", f"{load:g}", "--request-distribution", "poisson"]
         else:
