@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import math
+import subprocess
 import sys
 import threading
 import time
@@ -93,12 +94,18 @@ def perf_points(
             windows=args.windows,
             max_threads=max(16, max(args.concurrency)),
             streaming=mode == "streaming",
+            timeout_s=args.point_timeout_s,
         )
         with PerfAnalyzer(plan, server_label=name) as analyzer:
             for concurrency in args.concurrency:
-                result, cpu_per_s = _cpu_during(
-                    server, args.ramp_s, lambda c=concurrency: analyzer.run_point("concurrency", c)
-                )
+                try:
+                    result, cpu_per_s = _cpu_during(
+                        server,
+                        args.ramp_s,
+                        lambda c=concurrency: analyzer.run_point("concurrency", c),
+                    )
+                except subprocess.TimeoutExpired:
+                    result, cpu_per_s = _timed_out(name, mode, concurrency, plan), math.nan
                 assert isinstance(result, PointResult)
                 point = _point(name, mode, concurrency, result, cpu_per_s)
                 log(_row(point))
@@ -107,6 +114,26 @@ def perf_points(
                 if point.errors:
                     break  # perf_analyzer stops at the first failed request: a higher load too
     return points
+
+
+def _timed_out(name: str, mode: str, concurrency: int, plan: PerfPlan) -> PointResult:
+    return PointResult(
+        server=name,
+        client="perf_analyzer",
+        mode="concurrency",
+        load=concurrency,
+        duration_s=0.0,
+        sent=0,
+        ok=0,
+        errors=1,
+        throughput_rps=0.0,
+        p50_ms=math.inf,
+        p90_ms=math.inf,
+        p99_ms=math.inf,
+        p999_ms=math.inf,
+        mean_ms=math.inf,
+        note=f"perf_analyzer ({mode}) gave no result within {plan.timeout_s:g} s",
+    )
 
 
 def _point(name: str, mode: str, concurrency: int, result: PointResult, cpu_per_s: float) -> Point:
@@ -334,6 +361,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--callers", type=int, default=64, help="riskclient's callers")
     parser.add_argument("--client-duration-s", type=float, default=5.0)
     parser.add_argument("--no-client", action="store_true", help="skip part 2")
+    parser.add_argument(
+        "--point-timeout-s", type=float, default=60.0, help="a perf_analyzer run's time limit"
+    )
     args = parser.parse_args(argv)
     if args.at not in args.concurrency:
         args.concurrency = sorted({*args.concurrency, args.at})

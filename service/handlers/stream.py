@@ -16,6 +16,8 @@ whatever it sent that was never answered.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -39,6 +41,8 @@ DEFAULT_MAX_IN_FLIGHT = 256
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
+
+log = logging.getLogger(__name__)
 
 _OK = grpc.StatusCode.OK
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -149,6 +153,62 @@ class MessageStreams:
             stream.close()
 
 
+class _Message(Generic[Req, Resp]):
+    """One message being scored: its coroutine stepped here rather than by an asyncio Task.
+
+    A Task per message costs an object and an event-loop turn before it starts. Here the
+    first step runs at once, in the reader; each later step is the done callback of the future
+    the coroutine awaits, in the message's own context, which is all a Task would do for a
+    coroutine that awaits only futures, as the per-request path does. So that path must not
+    need `asyncio.current_task()` (`asyncio.timeout` does): it has none here.
+    """
+
+    __slots__ = ("_context_vars", "_coro", "_stream", "_waiting", "context", "request")
+
+    def __init__(
+        self,
+        stream: _Stream[Req, Resp],
+        coro: Coroutine[Any, Any, Resp],
+        request: Req,
+        context: MessageContext,
+    ) -> None:
+        self._stream = stream
+        self._coro = coro
+        self.request = request
+        self.context = context
+        self._context_vars = contextvars.copy_context()
+        self._waiting: asyncio.Future[Any] | None = None
+
+    def start(self) -> None:
+        self._context_vars.run(self._step)
+
+    def cancel(self) -> None:
+        """Cancel what the message awaits; it ends with CancelledError, as a Task would."""
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    def _step(self, _done: object = None) -> None:
+        self._waiting = None
+        try:
+            awaited = self._coro.send(None)
+        except StopIteration as finished:
+            self._stream._finished(self, finished.value, None)
+            return
+        except (Exception, asyncio.CancelledError) as exc:
+            self._stream._finished(self, None, exc)
+            return
+        if getattr(awaited, "_asyncio_future_blocking", None):
+            awaited._asyncio_future_blocking = False
+            self._waiting = awaited
+            awaited.add_done_callback(self._step, context=self._context_vars)
+        elif awaited is None:  # a bare yield (asyncio.sleep(0)): run again on the next turn
+            asyncio.get_running_loop().call_soon(self._step, context=self._context_vars)
+        else:
+            self._coro.close()
+            failure = RuntimeError(f"a stream message awaited {awaited!r}, not a future")
+            self._stream._finished(self, None, failure)
+
+
 class _Stream(Generic[Req, Resp]):
     """One call's reader, its messages in flight, and its answers not yet written."""
 
@@ -172,7 +232,7 @@ class _Stream(Generic[Req, Resp]):
         self._message_budget = method.message_budget
         self._loop = asyncio.get_running_loop()
         self._answers: deque[Resp] = deque()
-        self._tasks: set[asyncio.Task[Resp]] = set()
+        self._scoring: set[_Message[Req, Resp]] = set()
         self._unwritten = 0  # read and not yet written: in flight plus answers queued
         self._reading = True
         self._draining = False
@@ -188,8 +248,8 @@ class _Stream(Generic[Req, Resp]):
     def close(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        for task in tuple(self._tasks):
-            task.cancel()
+        for message in tuple(self._scoring):
+            message.cancel()
 
     async def run(self) -> None:
         if self._draining:
@@ -205,7 +265,7 @@ class _Stream(Generic[Req, Resp]):
                 waiting = self._reader_waiting
                 if waiting is not None and not waiting.done():
                     waiting.set_result(None)
-            if not self._reading and not self._tasks:
+            if not self._reading and not self._scoring:
                 break
             self._writer_waiting = self._loop.create_future()
             await self._writer_waiting
@@ -219,7 +279,7 @@ class _Stream(Generic[Req, Resp]):
         try:
             async for request in self._requests:
                 self._unwritten += 1
-                if len(self._tasks) >= limit:
+                if len(self._scoring) >= limit:
                     self._answer(
                         self._error_reply(
                             request,
@@ -247,24 +307,27 @@ class _Stream(Generic[Req, Resp]):
         budget_s = self._message_budget(request) if not isinstance(request, Malformed) else None
         deadline = now + (self._streams.budget_s if budget_s is None else budget_s)
         context = MessageContext(self._metadata, min(deadline, self._call_deadline))
-        task: asyncio.Task[Resp] = self._loop.create_task(
-            self._per_message(self._servicer, request, context)
-        )
-        self._tasks.add(task)
-        task.add_done_callback(lambda done: self._finished(done, request, context))
+        coro = self._per_message(self._servicer, request, context)
+        message = _Message(self, coro, request, context)
+        self._scoring.add(message)
+        message.start()
 
-    def _finished(self, task: asyncio.Task[Resp], request: Req, context: MessageContext) -> None:
-        self._tasks.discard(task)
-        if task.cancelled():
-            reply = self._error_reply(request, _UNAVAILABLE, "the stream was closed")
-        elif task.exception() is not None:
-            code = context.code()
-            if code is _OK:  # the boundary maps every error to an abort; this is a safety net
-                code = grpc.StatusCode.INTERNAL
-            reply = self._error_reply(request, code, context.details() or "internal error")
-        else:
-            reply = task.result()
-        self._answer(reply)
+    def _finished(
+        self, message: _Message[Req, Resp], reply: Resp | None, exc: BaseException | None
+    ) -> None:
+        self._scoring.discard(message)
+        if exc is None:
+            self._answer(reply)  # type: ignore[arg-type]
+            return
+        request, context = message.request, message.context
+        if isinstance(exc, asyncio.CancelledError):
+            self._answer(self._error_reply(request, _UNAVAILABLE, "the stream was closed"))
+            return
+        code = context.code()
+        if code is _OK:  # the boundary maps every error to an abort; this is a safety net
+            log.error("stream message failed outside the RPC boundary", exc_info=exc)
+            code = grpc.StatusCode.INTERNAL
+        self._answer(self._error_reply(request, code, context.details() or "internal error"))
 
     def _answer(self, reply: Resp) -> None:
         self._answers.append(reply)
