@@ -141,13 +141,16 @@ class PerfAnalyzer:
             ),
         }
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run(
-            self._argv(mode, load, csv_path),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=self.plan.timeout_s,
-        )
+        try:
+            proc = subprocess.run(
+                self._argv(mode, load, csv_path),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=self.plan.timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return self._failed_point(mode, load, f"no result within {self.plan.timeout_s:g} s")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         client_cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         if proc.returncode != 0 or not csv_path.exists():

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import json
 import math
-import subprocess
 import sys
 import threading
 import time
@@ -98,14 +97,9 @@ def perf_points(
         )
         with PerfAnalyzer(plan, server_label=name) as analyzer:
             for concurrency in args.concurrency:
-                try:
-                    result, cpu_per_s = _cpu_during(
-                        server,
-                        args.ramp_s,
-                        lambda c=concurrency: analyzer.run_point("concurrency", c),
-                    )
-                except subprocess.TimeoutExpired:
-                    result, cpu_per_s = _timed_out(name, mode, concurrency, plan), math.nan
+                result, cpu_per_s = _cpu_during(
+                    server, args.ramp_s, lambda c=concurrency: analyzer.run_point("concurrency", c)
+                )
                 assert isinstance(result, PointResult)
                 point = _point(name, mode, concurrency, result, cpu_per_s)
                 log(_row(point))
@@ -114,26 +108,6 @@ def perf_points(
                 if point.errors:
                     break  # perf_analyzer stops at the first failed request: a higher load too
     return points
-
-
-def _timed_out(name: str, mode: str, concurrency: int, plan: PerfPlan) -> PointResult:
-    return PointResult(
-        server=name,
-        client="perf_analyzer",
-        mode="concurrency",
-        load=concurrency,
-        duration_s=0.0,
-        sent=0,
-        ok=0,
-        errors=1,
-        throughput_rps=0.0,
-        p50_ms=math.inf,
-        p90_ms=math.inf,
-        p99_ms=math.inf,
-        p999_ms=math.inf,
-        mean_ms=math.inf,
-        note=f"perf_analyzer ({mode}) gave no result within {plan.timeout_s:g} s",
-    )
 
 
 def _point(name: str, mode: str, concurrency: int, result: PointResult, cpu_per_s: float) -> Point:
