@@ -68,6 +68,7 @@ class AsyncScoreStream:
         self._wake_sender: asyncio.Future[None] | None = None
         self._has_work: asyncio.Event | None = None
         self._runner: asyncio.Task[None] | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
         self._closing = False
         self._generation = 0
         self._ids = itertools.count()
@@ -183,6 +184,7 @@ class AsyncScoreStream:
         call = self._stub.ScoreStream(
             self._requests(self._generation), metadata=self._metadata, wait_for_ready=True
         )
+        self._call = call
         pending = self._pending
         try:
             async for reply in call:
@@ -230,6 +232,14 @@ class AsyncScoreStream:
         """What the stream of `generation` sends; it ends (half-closing) once closing and idle."""
         outbox = self._outbox
         loop = asyncio.get_running_loop()
+        call = self._call
+        # The server sends its headers as a stream opens. Until they come the call may yet be
+        # refused (a wrong token, say), and a write racing that refusal turns its status into
+        # INTERNAL; after them a refused call is done and nothing is written.
+        if call is not None:
+            await call.initial_metadata()
+            if call.done():
+                return
         while generation == self._generation:
             while outbox:
                 pending = outbox.popleft()

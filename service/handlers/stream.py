@@ -252,6 +252,9 @@ class _Stream(Generic[Req, Resp]):
             message.cancel()
 
     async def run(self) -> None:
+        # Headers at once: a client may wait for them before sending, so that a call refused
+        # before this handler (UNAUTHENTICATED, say) never races its first write.
+        await self._context.send_initial_metadata(())
         if self._draining:
             self._reading = False
         else:
