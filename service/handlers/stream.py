@@ -301,6 +301,9 @@ class _Stream(Generic[Req, Resp]):
         except asyncio.CancelledError:
             if not self._draining:
                 raise
+        except Exception:
+            # The call broke while reading; what was read is still answered if it can be.
+            log.debug("reading a stream failed", exc_info=True)
         finally:
             self._reading = False
             self._wake_writer()
