@@ -14,6 +14,7 @@ depends on when they arrive; other work on the machine changes that (a run besid
 came out 5.6 % high), so run it on an otherwise idle machine.
 
     .venv/bin/python -m bench.instructions --servers riskserve,riskserve-notrace --runs 2
+    .venv/bin/python -m bench.instructions --servers riskserve --concurrency 16 --streaming
 """
 
 from __future__ import annotations
@@ -76,10 +77,12 @@ def count_one(name: str, args: argparse.Namespace, run: int) -> tuple[int, float
     with ServerProcess(spec, log_path) as server:
         # perf_analyzer may find the slowed server's windows unstable and say so; the requests
         # still ran, and the server's own counter is what is used.
-        warm = PerfPlan(target=server.target, window_s=5.0, windows=1)
+        warm = PerfPlan(target=server.target, window_s=5.0, windows=1, streaming=args.streaming)
         with PerfAnalyzer(warm, onnx_path, server_label=name) as warmer:
             warmer.run_point("concurrency", args.concurrency)
-        plan = PerfPlan(target=server.target, window_s=args.seconds, windows=1)
+        plan = PerfPlan(
+            target=server.target, window_s=args.seconds, windows=1, streaming=args.streaming
+        )
         with PerfAnalyzer(plan, onnx_path, server_label=name) as analyzer:
             before = requests_served(metrics_port)
             _callgrind_control("on", server.pid)
@@ -106,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=30.0, help="counted span per run")
     parser.add_argument("--riskserve-budget-ms", type=float, default=1000.0)
+    parser.add_argument(
+        "--streaming", action="store_true", help="perf_analyzer sends on ModelStreamInfer"
+    )
     args = parser.parse_args(argv)
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:

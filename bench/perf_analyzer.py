@@ -50,6 +50,7 @@ class PerfPlan:
     windows: int = 3
     max_threads: int = 16
     timeout_s: float = 120.0
+    streaming: bool = False  # ModelStreamInfer: one stream per concurrent request slot
 
 
 class PerfAnalyzer:
@@ -122,6 +123,8 @@ class PerfAnalyzer:
             "-f",
             str(csv_path),
         ]
+        if plan.streaming:
+            argv.append("--streaming")
         if mode == "rate":
             argv += ["--request-rate-range", f"{load:g}", "--request-distribution", "poisson"]
         else:
@@ -138,13 +141,16 @@ class PerfAnalyzer:
             ),
         }
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = subprocess.run(
-            self._argv(mode, load, csv_path),
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=self.plan.timeout_s,
-        )
+        try:
+            proc = subprocess.run(
+                self._argv(mode, load, csv_path),
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=self.plan.timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return self._failed_point(mode, load, f"no result within {self.plan.timeout_s:g} s")
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         client_cpu_s = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
         if proc.returncode != 0 or not csv_path.exists():

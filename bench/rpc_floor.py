@@ -1,9 +1,10 @@
 """Server CPU per sequential request: a bare grpc.aio servicer against riskserve.
 
-The bare servicer answers OIP ModelInfer with zero scores of the shape riskserve returns,
-computing nothing, so its figure is the floor that gRPC's Python server costs on this machine;
-riskserve's excess over it is its own work. It also describes the demo model as riskserve does
-(ModelMetadata, ModelConfig), so perf_analyzer can drive it too (`bench.latency_split --floor`).
+The bare servicer answers OIP ModelInfer (and each request of ModelStreamInfer) with zero
+scores of the shape riskserve returns, computing nothing, so its figure is the floor that gRPC's
+Python server costs on this machine; riskserve's excess over it is its own work. It also
+describes the demo model as riskserve does (ModelMetadata, ModelConfig), so perf_analyzer can
+drive it too (`bench.latency_split --floor`).
 
     .venv/bin/python -m bench.rpc_floor --requests 300
 """
@@ -68,6 +69,14 @@ class _Echo(oip_grpc.GRPCInferenceServiceServicer):
         return oip.ModelConfigResponse(config=config)
 
     async def ModelInfer(self, request, context):
+        return self._zeros(request)
+
+    async def ModelStreamInfer(self, request_iterator, context):
+        # One answer per request as it is read: the least a Python stream can cost.
+        async for request in request_iterator:
+            yield oip.ModelStreamInferResponse(infer_response=self._zeros(request))
+
+    def _zeros(self, request):
         # Zero scores of riskserve's output shape: perf_analyzer counts a reply without them
         # as no reply.
         rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1

@@ -8,6 +8,7 @@ invalid that comes back INVALID_ARGUMENT is a success, and one that comes back O
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections import Counter
@@ -27,10 +28,20 @@ from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
 # before the first channel exists, or every call blocks the whole worker.
 grpc_gevent.init_gevent()
 
-__all__ = ["DEFAULT_HOST", "GrpcClient", "GrpcUser", "ModelSchema", "OipInput", "RpcStatusError"]
+__all__ = [
+    "DEFAULT_HOST",
+    "GrpcClient",
+    "GrpcUser",
+    "ModelSchema",
+    "OipInput",
+    "RpcStatusError",
+    "ScoreStreamMux",
+]
 
 DEFAULT_HOST = "127.0.0.1:50051"
 _SCHEMA_TIMEOUT_S = 10.0
+# How long a streamed Score waits for its answer when the run sets no deadline.
+_STREAM_WAIT_S = 30.0
 _MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
@@ -58,6 +69,13 @@ def _add_arguments(parser: Any) -> None:
         default="",
         env_var="LOCUST_MODEL",
         help="Model to score; empty selects the server's default model.",
+    )
+    group.add_argument(
+        "--streaming",
+        action="store_true",
+        default=False,
+        env_var="LOCUST_STREAMING",
+        help="Send the Score tasks on one ScoreStream per process that all users share.",
     )
     group.add_argument(
         "--tls-ca",
@@ -138,6 +156,108 @@ def parse_target(host: str) -> tuple[str, bool]:
             rest = host[len(scheme) :]
             return (f"dns:///{rest}" if scheme == "dns:///" else rest), tls
     return host, False
+
+
+class StreamStatus(grpc.RpcError):
+    """A streamed request's non-OK answer, read like a unary call's error."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class ScoreStreamMux:
+    """One ScoreStream call that every user of the process shares, one waiter per request_id.
+
+    `score` has a unary stub method's shape, so `GrpcClient.call` times it the same way. A
+    stream that ends fails the requests waiting on it; the next `score` opens a new one.
+    """
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._stub = risk_scoring_pb2_grpc.RiskScoringStub(channel)
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[threading.Event, list[Any]]] = {}
+        self._outbox: queue.Queue[Any] | None = None
+        self.answered = 0
+
+    def score(
+        self, request: risk_scoring_pb2.ScoreRequest, timeout: float | None = None
+    ) -> risk_scoring_pb2.ScoreResponse:
+        if timeout is not None:
+            request.timeout_us = max(1, int(timeout * 1e6))
+        answered = threading.Event()
+        slot: list[Any] = []
+        with self._lock:
+            if self._outbox is None:
+                self._open()
+            assert self._outbox is not None
+            self._waiting[request.request_id] = (answered, slot)
+            self._outbox.put(request)
+        if not answered.wait(_STREAM_WAIT_S if timeout is None else timeout):
+            with self._lock:
+                self._waiting.pop(request.request_id, None)
+            raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline")
+        reply = slot[0]
+        if isinstance(reply, StreamStatus):
+            raise reply
+        if reply.status.code:
+            raise StreamStatus(_CODES[reply.status.code], reply.status.message)
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            if self._outbox is not None:
+                self._outbox.put(None)  # half-close: the server answers what it holds
+                self._outbox = None
+        self._channel.close()
+
+    def _open(self) -> None:
+        outbox: queue.Queue[Any] = queue.Queue()
+        self._outbox = outbox
+        call = self._stub.ScoreStream(iter(outbox.get, None))
+        threading.Thread(target=self._read, args=(call, outbox), daemon=True).start()
+
+    def _read(self, call: Any, outbox: queue.Queue[Any]) -> None:
+        ended = StreamStatus(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+        try:
+            for reply in call:
+                with self._lock:
+                    self.answered += 1
+                    waiter = self._waiting.pop(reply.request_id, None)
+                if waiter is not None:
+                    waiter[1].append(reply)
+                    waiter[0].set()
+        except grpc.RpcError as exc:
+            ended = StreamStatus(exc.code(), exc.details() or "")
+        with self._lock:
+            if self._outbox is outbox:
+                self._outbox = None
+            waiting, self._waiting = self._waiting, {}
+        for answered, slot in waiting.values():
+            slot.append(ended)
+            answered.set()
+
+
+_streams: dict[str, ScoreStreamMux] = {}
+
+
+@events.test_stop.add_listener
+def _close_streams(**_kwargs: Any) -> None:
+    for host, mux in _streams.items():
+        logger.info("the shared ScoreStream to %s carried %d answers", host, mux.answered)
+        mux.close()
+    _streams.clear()
 
 
 class GrpcClient:
@@ -252,6 +372,18 @@ class GrpcUser(User):
                     )
                     raise StopUser() from exc
             return _schemas[key]
+
+    def score_method(self) -> Callable[..., Any]:
+        """Score as a unary call, or on the process's shared stream with --streaming."""
+        if not getattr(self.environment.parsed_options, "streaming", False):
+            return self.client.scoring.Score
+        key = self.host or DEFAULT_HOST
+        with _schema_lock:
+            if key not in _streams:
+                target, tls = parse_target(key)
+                ca = str(getattr(self.environment.parsed_options, "tls_ca", ""))
+                _streams[key] = ScoreStreamMux(self._open_channel(target, tls, ca))
+            return _streams[key].score
 
     def on_stop(self) -> None:
         self.channel.close()

@@ -12,6 +12,9 @@ Each user paces itself to --rps-per-user task runs a second, so a run offers a f
     15  OIP ModelInfer of one row                     -> "ModelInfer"
      2  invalid Score (unknown feature or NaN)        -> "Score (invalid)", INVALID_ARGUMENT
                                                          is the expected, successful answer
+
+With --streaming the three Score tasks go on one ScoreStream per locust process, shared by its
+users (each message answered with its own status); ScoreBatch and ModelInfer stay unary.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class RiskScoringUser(GrpcUser):
         self.long_rows = (min(LONG_HISTORY_ROWS[0], limit), min(LONG_HISTORY_ROWS[1], limit))
         most = schema.max_batch_size or BATCH_SIZES[1]
         self.batch_sizes = (min(BATCH_SIZES[0], most), min(BATCH_SIZES[1], most))
+        self.score_call = self.score_method()
 
     def _request(self, n_rows: int) -> risk_scoring_pb2.ScoreRequest:
         request = risk_scoring_pb2.ScoreRequest(
@@ -102,7 +106,7 @@ class RiskScoringUser(GrpcUser):
     @task(60)
     def score(self) -> None:
         request = self._request(self.source.integers(*self.short_rows))
-        self.client.call(self.client.scoring.Score, request, name="Score", check=_check_score)
+        self.client.call(self.score_call, request, name="Score", check=_check_score)
 
     @task(15)
     def score_batch(self) -> None:
@@ -117,9 +121,7 @@ class RiskScoringUser(GrpcUser):
     @task(8)
     def score_long_history(self) -> None:
         request = self._request(self.source.integers(*self.long_rows))
-        self.client.call(
-            self.client.scoring.Score, request, name="Score (long history)", check=_check_score
-        )
+        self.client.call(self.score_call, request, name="Score (long history)", check=_check_score)
 
     @task(15)
     def model_infer(self) -> None:
@@ -140,7 +142,7 @@ class RiskScoringUser(GrpcUser):
         else:
             request.features[UNKNOWN_FEATURE] = 1.0
         self.client.call(
-            self.client.scoring.Score,
+            self.score_call,
             request,
             name="Score (invalid)",
             expect=grpc.StatusCode.INVALID_ARGUMENT,

@@ -41,38 +41,43 @@ def _read_json(source: str) -> Any:
 
 
 def _score(args: argparse.Namespace) -> int:
-    import grpc
     from google.protobuf import json_format
 
-    from riskscoring.v1 import risk_scoring_pb2 as pb
-    from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+    from riskclient import RiskClient, ScoreBatchRequest, ScoreRequest, ScoringError
+    from riskscoring.v1.risk_scoring_pb2 import EXPLAIN_ALWAYS
 
     try:
         payload = _read_json(args.request)
     except (OSError, ValueError) as exc:
         print(f"riskserve score: cannot read the request: {exc}", file=sys.stderr)
         return 2
-    with grpc.insecure_channel(args.target) as channel:
-        stub = pb_grpc.RiskScoringStub(channel)
+    scored = None
+    with RiskClient(args.target, timeout_s=args.timeout_s) as client:
         try:
             if isinstance(payload, list) or "requests" in payload:
                 body = {"requests": payload} if isinstance(payload, list) else payload
-                batch = json_format.ParseDict(body, pb.ScoreBatchRequest())
-                reply: Any = stub.ScoreBatch(batch, timeout=args.timeout_s)
+                request = json_format.ParseDict(body, ScoreBatchRequest())
+                batch = client.score_batch(
+                    request.requests, model=request.model, model_version=request.model_version
+                )
+                reply: Any = {"responses": [json_format.MessageToDict(r) for r in batch]}
             else:
-                request = json_format.ParseDict(payload, pb.ScoreRequest())
+                request = json_format.ParseDict(payload, ScoreRequest())
                 if args.explain:
-                    request.explain_top_k, request.explain_when = args.top_k, pb.EXPLAIN_ALWAYS
-                reply = stub.Score(request, timeout=args.timeout_s)
-        except grpc.RpcError as exc:
-            print(json.dumps({"code": exc.code().name, "message": exc.details()}), file=sys.stderr)
+                    request.explain_top_k, request.explain_when = args.top_k, EXPLAIN_ALWAYS
+                scored = client.score(request)
+                reply = json_format.MessageToDict(scored)
+        except ScoringError as exc:
+            print(json.dumps({"code": exc.code.name, "message": exc.message}), file=sys.stderr)
             return 1
-    print(json.dumps(json_format.MessageToDict(reply), indent=2))
-    for reason in getattr(reply, "reasons", ()):  # readable beside the JSON, which keeps stdout
-        names = ", ".join(reason.features)
-        print(
-            f"{reason.code}  {reason.contribution:+.3f}  {reason.text}  ({names})", file=sys.stderr
-        )
+    print(json.dumps(reply, indent=2))
+    if scored is not None:  # reasons readable beside the JSON, which keeps stdout
+        for reason in scored.reasons:
+            names = ", ".join(reason.features)
+            print(
+                f"{reason.code}  {reason.contribution:+.3f}  {reason.text}  ({names})",
+                file=sys.stderr,
+            )
     return 0
 
 

@@ -100,6 +100,9 @@ class Settings(BaseSettings):
     max_concurrent_streams: int = Field(
         100, ge=1, description="Concurrent calls one client connection may have open."
     )
+    max_stream_in_flight: int = Field(
+        256, ge=1, description="Messages scored at once per stream; more get RESOURCE_EXHAUSTED."
+    )
     reload_interval_s: float = Field(
         0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."
     )

@@ -60,8 +60,13 @@ class Experiments:
         self._mtime_ns = config_path.stat().st_mtime_ns
         self.router = ExperimentRouter(ExperimentConfig.from_json_file(config_path))
         registry.follow(self.router)
+        self.log = ExperimentLog(
+            log_prefix,
+            flush_interval_s=flush_interval_s,
+            max_file_bytes=max_file_bytes,
+            max_file_age_s=max_file_age_s,
+        )
         rolling = {"max_file_bytes": max_file_bytes, "max_file_age_s": max_file_age_s}
-        self.log = ExperimentLog(log_prefix, flush_interval_s=flush_interval_s, **rolling)
         self._metrics = telemetry.metrics if telemetry is not None else None
         # The worker process writes the challenger records as a replica of its own.
         self.runner = ShadowRunner(

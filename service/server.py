@@ -25,6 +25,7 @@ from service.config import Settings
 from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
 from service.handlers.boundary import generic_handler
+from service.handlers.stream import MessageStreams
 from service.health import DrainingHealth
 from service.registry import EngineFactory, ModelRegistry, default_engines
 from service.reload import ModelWatcher
@@ -64,6 +65,7 @@ class RiskServer:
     experiments: Experiments | None = None
     watcher: ModelWatcher | None = None
     certificates: CertificateFiles | None = None
+    streams: MessageStreams | None = None
 
     async def stop(self) -> None:
         """Refuse new work, let queued and in-flight requests finish, then stop."""
@@ -71,6 +73,9 @@ class RiskServer:
         if self.watcher is not None:
             await self.watcher.close()
         self.oip.draining = True
+        if self.streams is not None:
+            # Streams stop reading and end once what they read is answered, within the grace.
+            self.streams.drain()
         await self.health.enter_graceful_shutdown()
         # The server stops taking calls and waits for those in flight, which need the batchers.
         await self.server.stop(grace_s)
@@ -197,8 +202,9 @@ async def build_server(
     interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     router = RequestRouter(registry, experiments)  # one routing rule for every path
+    streams = MessageStreams(settings.max_stream_in_flight, settings.budget_s)
     oip_servicer = InferenceServicer(
-        registry, settings.budget_s, _server_version(), telemetry, router
+        registry, settings.budget_s, _server_version(), telemetry, router, streams=streams
     )
     risk_servicer = RiskScoringServicer(
         registry,
@@ -207,6 +213,7 @@ async def build_server(
         experiments,
         telemetry,
         router,
+        streams=streams,
         explain_when=settings.explain_when,
     )
     server.add_generic_rpc_handlers(
@@ -251,6 +258,7 @@ async def build_server(
         experiments,
         watcher,
         certificates,
+        streams,
     )
 
 

@@ -140,7 +140,11 @@ def generic_handler(servicer: Any, service: ServiceDescriptor) -> grpc.GenericRp
     a caller sending bad bytes deserves to be told its request is malformed.
     """
     handlers = {
-        method.name: grpc.unary_unary_rpc_method_handler(
+        method.name: (
+            grpc.stream_stream_rpc_method_handler
+            if method.client_streaming and method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )(
             getattr(servicer, method.name),
             request_deserializer=_lenient(GetMessageClass(method.input_type)),
             response_serializer=GetMessageClass(method.output_type).SerializeToString,

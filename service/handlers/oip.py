@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -19,11 +20,18 @@ from inference import model_config_pb2 as mc
 from service.codec import decode_infer_request, encode_infer_response
 from service.errors import InvalidRequest
 from service.handlers.boundary import (
+    Malformed,
     deadline_for,
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
+)
+from service.handlers.stream import (
+    DEFAULT_MAX_IN_FLIGHT,
+    MessageContext,
+    MessageStreams,
+    stream_method,
 )
 from service.registry import ModelRegistry, ModelVersion
 from service.routing import RequestRouter
@@ -55,8 +63,10 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         server_version: str,
         telemetry: Telemetry | None = None,
         router: RequestRouter | None = None,
+        streams: MessageStreams | None = None,
     ) -> None:
         self.telemetry = telemetry
+        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget_s)
         self._registry = registry
         self._router = router or RequestRouter(registry)
         self._budget_s = budget_s
@@ -133,6 +143,13 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     ) -> oip.ModelInferResponse:
         return await self._infer_one(request, deadline_for(context, self._budget_s))
 
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[oip.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        await self.streams.serve(request_iterator, context, self, _INFER_STREAM)
+
     async def _infer_one(
         self, request: oip.ModelInferRequest, deadline: float
     ) -> oip.ModelInferResponse:
@@ -181,3 +198,37 @@ def _row_ids(request_id: str, rows: int) -> tuple[str, ...]:
     """One log id per row: the request's id (a fresh one if it has none), ``/i`` per row."""
     base = request_id or uuid.uuid4().hex
     return (base,) if rows == 1 else tuple(f"{base}/{i}" for i in range(rows))
+
+
+async def _infer_message(
+    servicer: InferenceServicer, request: oip.ModelInferRequest, context: MessageContext
+) -> oip.ModelStreamInferResponse:
+    reply = await servicer._infer_one(request, deadline_for(context, servicer._budget_s))
+    return oip.ModelStreamInferResponse(infer_response=reply)
+
+
+def _infer_error(
+    request: oip.ModelInferRequest | Malformed, code: grpc.StatusCode, details: str
+) -> oip.ModelStreamInferResponse:
+    """Triton's answer to a failed stream request: the error and the request's id."""
+    if isinstance(request, Malformed):
+        return oip.ModelStreamInferResponse(error_message=details)
+    return oip.ModelStreamInferResponse(
+        error_message=details,
+        infer_response=oip.ModelInferResponse(
+            model_name=request.model_name, model_version=request.model_version, id=request.id
+        ),
+    )
+
+
+def _message_budget_s(request: oip.ModelInferRequest) -> float | None:
+    """Triton's per-request `timeout` parameter, in microseconds, when given."""
+    parameters = request.parameters
+    if "timeout" in parameters:
+        timeout_us = parameters["timeout"].int64_param
+        if timeout_us > 0:
+            return timeout_us / 1e6
+    return None
+
+
+_INFER_STREAM = stream_method("ModelStreamInfer", _infer_message, _infer_error, _message_budget_s)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -15,11 +16,18 @@ from service.batcher import Scored
 from service.codec import DECISIONS, RowBatch, decode_score_batch, decode_score_request
 from service.experiments import Experiments
 from service.handlers.boundary import (
+    Malformed,
     deadline_for,
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
+)
+from service.handlers.stream import (
+    DEFAULT_MAX_IN_FLIGHT,
+    MessageContext,
+    MessageStreams,
+    stream_method,
 )
 from service.registry import ModelRegistry, ModelVersion
 from service.routing import RequestRouter, take_rows
@@ -40,9 +48,11 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         telemetry: Telemetry | None = None,
         router: RequestRouter | None = None,
         explain_when: explain.ExplainWhen = "adverse",
+        streams: MessageStreams | None = None,
     ) -> None:
         self._explain_when: explain.ExplainWhen = explain_when
         self.telemetry = telemetry
+        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget_s)
         self._registry = registry
         self._default_model = default_model
         self._budget_s = budget_s
@@ -55,7 +65,8 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         return await self._score_one(request, deadline_for(context, self._budget_s))
 
     async def _score_one(self, request: pb.ScoreRequest, deadline: float) -> pb.ScoreResponse:
-        """Route, score and record one request; every per-request path of this service."""
+        """Route, score and record one request: Score's path, and each message's of ScoreStream;
+        `deadline` is monotonic seconds."""
         started = time.perf_counter()
         name = request.model or self._default_model
         note_model(name, request.model_version)
@@ -83,6 +94,11 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 time.perf_counter() - started,
             )
         return reply
+
+    async def ScoreStream(
+        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await self.streams.serve(request_iterator, context, self, _SCORE_STREAM)
 
     @rpc_boundary
     async def ScoreBatch(
@@ -181,6 +197,26 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         )
 
 
+async def _score_message(
+    servicer: RiskScoringServicer, request: pb.ScoreRequest, context: MessageContext
+) -> pb.ScoreResponse:
+    return await servicer._score_one(request, deadline_for(context, servicer._budget_s))
+
+
+def _score_error(
+    request: pb.ScoreRequest | Malformed, code: grpc.StatusCode, details: str
+) -> pb.ScoreResponse:
+    request_id = "" if isinstance(request, Malformed) else request.request_id
+    return pb.ScoreResponse(
+        request_id=request_id, status=pb.Status(code=code.value[0], message=details)
+    )
+
+
+def _message_budget_s(request: pb.ScoreRequest) -> float | None:
+    timeout_us = request.timeout_us
+    return timeout_us / 1e6 if timeout_us else None
+
+
 def _response(
     request_id: str, model: ModelVersion, scored: Scored, row: int, started: float
 ) -> pb.ScoreResponse:
@@ -209,3 +245,6 @@ def _response(
             batch_size=scored.batch_rows,
         ),
     )
+
+
+_SCORE_STREAM = stream_method("ScoreStream", _score_message, _score_error, _message_budget_s)

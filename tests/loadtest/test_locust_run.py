@@ -70,13 +70,15 @@ def _server(
             server.wait()
 
 
-def _locust(target: str, prefix: Path, run_time_s: int) -> tuple[int, dict[str, dict[str, str]]]:
+def _locust(
+    target: str, prefix: Path, run_time_s: int, extra: tuple[str, ...] = ()
+) -> tuple[int, dict[str, dict[str, str]]]:
     """Run locust headless; its exit status and run_stats.csv rows by request name."""
     command = [
         str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "-u", "10", "-r", "10",
         "--rps-per-user", "15", "--run-time", f"{run_time_s}s", "--host", target,
         "--csv", str(prefix), "--exit-code-on-error", "1", "--only-summary",
-        "--stop-timeout", "5",
+        "--stop-timeout", "5", *extra,
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=run_time_s + 60
@@ -130,7 +132,8 @@ def _small_sequence_model(root: Path) -> dict[str, str]:
     return {"RISKSERVE_MODELS_DIR": str(root), "RISKSERVE_DEFAULT_MODEL": folder.parent.name}
 
 
-def test_locust_mix_against_riskserve(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [(), ("--streaming",)], ids=["unary", "streaming"])
+def test_locust_mix_against_riskserve(tmp_path: Path, mode: tuple[str, ...]) -> None:
     if importlib.util.find_spec("service.cli") is None:
         pytest.skip("service.cli (the `riskserve serve` command) does not exist yet")
     models_dir = Path(os.environ.get("RISKSERVE_MODELS_DIR", REPO / "models"))
@@ -152,5 +155,5 @@ def test_locust_mix_against_riskserve(tmp_path: Path) -> None:
         "serve", "--port", str(port),
     ]  # fmt: skip
     with _server(command, port, tmp_path / "server.log", env=env) as target:
-        status, rows = _locust(target, tmp_path / "run", run_time_s=10)
+        status, rows = _locust(target, tmp_path / "run", run_time_s=10, extra=mode)
     _assert_clean_mix(status, rows)

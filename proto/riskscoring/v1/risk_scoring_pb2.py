@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!riskscoring/v1/risk_scoring.proto\x12\x0eriskscoring.v1\"\x1c\n\nHistoryRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xc1\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tentity_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12<\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32*.riskscoring.v1.ScoreRequest.FeaturesEntry\x12+\n\x07history\x18\x06 \x03(\x0b\x32\x1a.riskscoring.v1.HistoryRow\x12\x15\n\rexplain_top_k\x18\x14 \x01(\r\x12\x31\n\x0c\x65xplain_when\x18\x15 \x01(\x0e\x32\x1b.riskscoring.v1.ExplainWhen\x1a/\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"L\n\x06Reason\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x03(\t\x12\x14\n\x0c\x63ontribution\x18\x04 \x01(\x02\"T\n\x07Timings\x12\x10\n\x08total_us\x18\x01 \x01(\r\x12\x10\n\x08queue_us\x18\x02 \x01(\r\x12\x11\n\tengine_us\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\"\x92\x02\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12*\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0e\x32\x18.riskscoring.v1.Decision\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12(\n\x07timings\x18\x08 \x01(\x0b\x32\x17.riskscoring.v1.Timings\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12\'\n\x07reasons\x18\x14 \x03(\x0b\x32\x16.riskscoring.v1.Reason\"i\n\x11ScoreBatchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12.\n\x08requests\x18\x03 \x03(\x0b\x32\x1c.riskscoring.v1.ScoreRequest\"F\n\x12ScoreBatchResponse\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.riskscoring.v1.ScoreResponse\"8\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"-\n\nThresholds\x12\x0e\n\x06review\x18\x01 \x01(\x02\x12\x0f\n\x07\x64\x65\x63line\x18\x02 \x01(\x02\"\x80\x01\n\nEngineInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x1a\n\x12max_history_length\x18\x05 \x01(\r\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\"\xac\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08versions\x18\x03 \x03(\t\x12\x15\n\rfeature_names\x18\x04 \x03(\t\x12\x16\n\x0ehistory_fields\x18\x05 \x03(\t\x12\x1a\n\x12max_history_length\x18\x06 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\x12\x12\n\nnan_policy\x18\x08 \x01(\t\x12.\n\nthresholds\x18\t \x01(\x0b\x32\x1a.riskscoring.v1.Thresholds\x12+\n\x07\x65ngines\x18\n \x03(\x0b\x32\x1a.riskscoring.v1.EngineInfo\x12\x13\n\x0b\x64\x65scription\x18\x0b \x01(\t*T\n\x0b\x45xplainWhen\x12\x1c\n\x18\x45XPLAIN_WHEN_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45XPLAIN_ALWAYS\x10\x01\x12\x13\n\x0f\x45XPLAIN_ADVERSE\x10\x02*J\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPROVE\x10\x01\x12\n\n\x06REVIEW\x10\x02\x12\x0b\n\x07\x44\x45\x43LINE\x10\x03\x32\xfb\x01\n\x0bRiskScoring\x12\x46\n\x05Score\x12\x1c.riskscoring.v1.ScoreRequest\x1a\x1d.riskscoring.v1.ScoreResponse\"\x00\x12U\n\nScoreBatch\x12!.riskscoring.v1.ScoreBatchRequest\x1a\".riskscoring.v1.ScoreBatchResponse\"\x00\x12M\n\x0cGetModelInfo\x12 .riskscoring.v1.ModelInfoRequest\x1a\x19.riskscoring.v1.ModelInfo\"\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!riskscoring/v1/risk_scoring.proto\x12\x0eriskscoring.v1\"\x1c\n\nHistoryRow\x12\x0e\n\x06values\x18\x01 \x03(\x02\"\xd5\x02\n\x0cScoreRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\tentity_id\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12<\n\x08\x66\x65\x61tures\x18\x05 \x03(\x0b\x32*.riskscoring.v1.ScoreRequest.FeaturesEntry\x12+\n\x07history\x18\x06 \x03(\x0b\x32\x1a.riskscoring.v1.HistoryRow\x12\x12\n\ntimeout_us\x18\x07 \x01(\r\x12\x15\n\rexplain_top_k\x18\x14 \x01(\r\x12\x31\n\x0c\x65xplain_when\x18\x15 \x01(\x0e\x32\x1b.riskscoring.v1.ExplainWhen\x1a/\n\rFeaturesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"L\n\x06Reason\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08\x66\x65\x61tures\x18\x03 \x03(\t\x12\x14\n\x0c\x63ontribution\x18\x04 \x01(\x02\"T\n\x07Timings\x12\x10\n\x08total_us\x18\x01 \x01(\r\x12\x10\n\x08queue_us\x18\x02 \x01(\r\x12\x11\n\tengine_us\x18\x03 \x01(\r\x12\x12\n\nbatch_size\x18\x04 \x01(\r\"\xba\x02\n\rScoreResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05score\x18\x02 \x01(\x02\x12*\n\x08\x64\x65\x63ision\x18\x03 \x01(\x0e\x32\x18.riskscoring.v1.Decision\x12\r\n\x05model\x18\x04 \x01(\t\x12\x15\n\rmodel_version\x18\x05 \x01(\t\x12\x0e\n\x06\x65ngine\x18\x06 \x01(\t\x12\x17\n\x0f\x66\x61llback_reason\x18\x07 \x01(\t\x12(\n\x07timings\x18\x08 \x01(\x0b\x32\x17.riskscoring.v1.Timings\x12\x10\n\x08\x64\x65graded\x18\t \x01(\x08\x12&\n\x06status\x18\n \x01(\x0b\x32\x16.riskscoring.v1.Status\x12\'\n\x07reasons\x18\x14 \x03(\x0b\x32\x16.riskscoring.v1.Reason\"\'\n\x06Status\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"i\n\x11ScoreBatchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12.\n\x08requests\x18\x03 \x03(\x0b\x32\x1c.riskscoring.v1.ScoreRequest\"F\n\x12ScoreBatchResponse\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.riskscoring.v1.ScoreResponse\"8\n\x10ModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\"-\n\nThresholds\x12\x0e\n\x06review\x18\x01 \x01(\x02\x12\x0f\n\x07\x64\x65\x63line\x18\x02 \x01(\x02\"\x80\x01\n\nEngineInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x16\n\x0emax_batch_size\x18\x04 \x01(\r\x12\x1a\n\x12max_history_length\x18\x05 \x01(\r\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\"\xac\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08versions\x18\x03 \x03(\t\x12\x15\n\rfeature_names\x18\x04 \x03(\t\x12\x16\n\x0ehistory_fields\x18\x05 \x03(\t\x12\x1a\n\x12max_history_length\x18\x06 \x01(\r\x12\x16\n\x0emax_batch_size\x18\x07 \x01(\r\x12\x12\n\nnan_policy\x18\x08 \x01(\t\x12.\n\nthresholds\x18\t \x01(\x0b\x32\x1a.riskscoring.v1.Thresholds\x12+\n\x07\x65ngines\x18\n \x03(\x0b\x32\x1a.riskscoring.v1.EngineInfo\x12\x13\n\x0b\x64\x65scription\x18\x0b \x01(\t*T\n\x0b\x45xplainWhen\x12\x1c\n\x18\x45XPLAIN_WHEN_UNSPECIFIED\x10\x00\x12\x12\n\x0e\x45XPLAIN_ALWAYS\x10\x01\x12\x13\n\x0f\x45XPLAIN_ADVERSE\x10\x02*J\n\x08\x44\x65\x63ision\x12\x18\n\x14\x44\x45\x43ISION_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x41PPROVE\x10\x01\x12\n\n\x06REVIEW\x10\x02\x12\x0b\n\x07\x44\x45\x43LINE\x10\x03\x32\xcd\x02\n\x0bRiskScoring\x12\x46\n\x05Score\x12\x1c.riskscoring.v1.ScoreRequest\x1a\x1d.riskscoring.v1.ScoreResponse\"\x00\x12U\n\nScoreBatch\x12!.riskscoring.v1.ScoreBatchRequest\x1a\".riskscoring.v1.ScoreBatchResponse\"\x00\x12P\n\x0bScoreStream\x12\x1c.riskscoring.v1.ScoreRequest\x1a\x1d.riskscoring.v1.ScoreResponse\"\x00(\x01\x30\x01\x12M\n\x0cGetModelInfo\x12 .riskscoring.v1.ModelInfoRequest\x1a\x19.riskscoring.v1.ModelInfo\"\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SCOREREQUEST_FEATURESENTRY']._loaded_options = None
   _globals['_SCOREREQUEST_FEATURESENTRY']._serialized_options = b'8\001'
-  _globals['_EXPLAINWHEN']._serialized_start=1566
-  _globals['_EXPLAINWHEN']._serialized_end=1650
-  _globals['_DECISION']._serialized_start=1652
-  _globals['_DECISION']._serialized_end=1726
+  _globals['_EXPLAINWHEN']._serialized_start=1667
+  _globals['_EXPLAINWHEN']._serialized_end=1751
+  _globals['_DECISION']._serialized_start=1753
+  _globals['_DECISION']._serialized_end=1827
   _globals['_HISTORYROW']._serialized_start=53
   _globals['_HISTORYROW']._serialized_end=81
   _globals['_SCOREREQUEST']._serialized_start=84
-  _globals['_SCOREREQUEST']._serialized_end=405
-  _globals['_SCOREREQUEST_FEATURESENTRY']._serialized_start=358
-  _globals['_SCOREREQUEST_FEATURESENTRY']._serialized_end=405
-  _globals['_REASON']._serialized_start=407
-  _globals['_REASON']._serialized_end=483
-  _globals['_TIMINGS']._serialized_start=485
-  _globals['_TIMINGS']._serialized_end=569
-  _globals['_SCORERESPONSE']._serialized_start=572
-  _globals['_SCORERESPONSE']._serialized_end=846
-  _globals['_SCOREBATCHREQUEST']._serialized_start=848
-  _globals['_SCOREBATCHREQUEST']._serialized_end=953
-  _globals['_SCOREBATCHRESPONSE']._serialized_start=955
-  _globals['_SCOREBATCHRESPONSE']._serialized_end=1025
-  _globals['_MODELINFOREQUEST']._serialized_start=1027
-  _globals['_MODELINFOREQUEST']._serialized_end=1083
-  _globals['_THRESHOLDS']._serialized_start=1085
-  _globals['_THRESHOLDS']._serialized_end=1130
-  _globals['_ENGINEINFO']._serialized_start=1133
-  _globals['_ENGINEINFO']._serialized_end=1261
-  _globals['_MODELINFO']._serialized_start=1264
-  _globals['_MODELINFO']._serialized_end=1564
-  _globals['_RISKSCORING']._serialized_start=1729
-  _globals['_RISKSCORING']._serialized_end=1980
+  _globals['_SCOREREQUEST']._serialized_end=425
+  _globals['_SCOREREQUEST_FEATURESENTRY']._serialized_start=378
+  _globals['_SCOREREQUEST_FEATURESENTRY']._serialized_end=425
+  _globals['_REASON']._serialized_start=427
+  _globals['_REASON']._serialized_end=503
+  _globals['_TIMINGS']._serialized_start=505
+  _globals['_TIMINGS']._serialized_end=589
+  _globals['_SCORERESPONSE']._serialized_start=592
+  _globals['_SCORERESPONSE']._serialized_end=906
+  _globals['_STATUS']._serialized_start=908
+  _globals['_STATUS']._serialized_end=947
+  _globals['_SCOREBATCHREQUEST']._serialized_start=949
+  _globals['_SCOREBATCHREQUEST']._serialized_end=1054
+  _globals['_SCOREBATCHRESPONSE']._serialized_start=1056
+  _globals['_SCOREBATCHRESPONSE']._serialized_end=1126
+  _globals['_MODELINFOREQUEST']._serialized_start=1128
+  _globals['_MODELINFOREQUEST']._serialized_end=1184
+  _globals['_THRESHOLDS']._serialized_start=1186
+  _globals['_THRESHOLDS']._serialized_end=1231
+  _globals['_ENGINEINFO']._serialized_start=1234
+  _globals['_ENGINEINFO']._serialized_end=1362
+  _globals['_MODELINFO']._serialized_start=1365
+  _globals['_MODELINFO']._serialized_end=1665
+  _globals['_RISKSCORING']._serialized_start=1830
+  _globals['_RISKSCORING']._serialized_end=2163
 # @@protoc_insertion_point(module_scope)

@@ -34,7 +34,7 @@ class HistoryRow(_message.Message):
     def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
-    __slots__ = ("request_id", "entity_id", "model", "model_version", "features", "history", "explain_top_k", "explain_when")
+    __slots__ = ("request_id", "entity_id", "model", "model_version", "features", "history", "timeout_us", "explain_top_k", "explain_when")
     class FeaturesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class ScoreRequest(_message.Message):
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     HISTORY_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_US_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_TOP_K_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_WHEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
@@ -56,9 +57,10 @@ class ScoreRequest(_message.Message):
     model_version: str
     features: _containers.ScalarMap[str, float]
     history: _containers.RepeatedCompositeFieldContainer[HistoryRow]
+    timeout_us: int
     explain_top_k: int
     explain_when: ExplainWhen
-    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., features: _Optional[_Mapping[str, float]] = ..., history: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ..., explain_top_k: _Optional[int] = ..., explain_when: _Optional[_Union[ExplainWhen, str]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., entity_id: _Optional[str] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., features: _Optional[_Mapping[str, float]] = ..., history: _Optional[_Iterable[_Union[HistoryRow, _Mapping]]] = ..., timeout_us: _Optional[int] = ..., explain_top_k: _Optional[int] = ..., explain_when: _Optional[_Union[ExplainWhen, str]] = ...) -> None: ...
 
 class Reason(_message.Message):
     __slots__ = ("code", "text", "features", "contribution")
@@ -85,7 +87,7 @@ class Timings(_message.Message):
     def __init__(self, total_us: _Optional[int] = ..., queue_us: _Optional[int] = ..., engine_us: _Optional[int] = ..., batch_size: _Optional[int] = ...) -> None: ...
 
 class ScoreResponse(_message.Message):
-    __slots__ = ("request_id", "score", "decision", "model", "model_version", "engine", "fallback_reason", "timings", "degraded", "reasons")
+    __slots__ = ("request_id", "score", "decision", "model", "model_version", "engine", "fallback_reason", "timings", "degraded", "status", "reasons")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +97,7 @@ class ScoreResponse(_message.Message):
     FALLBACK_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     REASONS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     score: float
@@ -105,8 +108,17 @@ class ScoreResponse(_message.Message):
     fallback_reason: str
     timings: Timings
     degraded: bool
+    status: Status
     reasons: _containers.RepeatedCompositeFieldContainer[Reason]
-    def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., degraded: _Optional[bool] = ..., reasons: _Optional[_Iterable[_Union[Reason, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., score: _Optional[float] = ..., decision: _Optional[_Union[Decision, str]] = ..., model: _Optional[str] = ..., model_version: _Optional[str] = ..., engine: _Optional[str] = ..., fallback_reason: _Optional[str] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., degraded: _Optional[bool] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., reasons: _Optional[_Iterable[_Union[Reason, _Mapping]]] = ...) -> None: ...
+
+class Status(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ScoreBatchRequest(_message.Message):
     __slots__ = ("model", "model_version", "requests")

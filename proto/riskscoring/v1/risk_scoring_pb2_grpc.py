@@ -44,6 +44,11 @@ class RiskScoringStub:
                 request_serializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreBatchRequest.SerializeToString,
                 response_deserializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreBatchResponse.FromString,
                 _registered_method=True)
+        self.ScoreStream = channel.stream_stream(
+                '/riskscoring.v1.RiskScoring/ScoreStream',
+                request_serializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/riskscoring.v1.RiskScoring/GetModelInfo',
                 request_serializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ModelInfoRequest.SerializeToString,
@@ -68,6 +73,14 @@ class RiskScoringServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScoreStream(self, request_iterator, context):
+        """Many requests on one call: one response per request, correlated by `request_id`, in
+        completion order. A message that fails is answered with its `status`; the stream stays open.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetModelInfo(self, request, context):
         """The schema a caller must follow: feature names, history fields, limits, thresholds, engines.
         """
@@ -87,6 +100,11 @@ def add_RiskScoringServicer_to_server(servicer, server):
                     servicer.ScoreBatch,
                     request_deserializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreBatchRequest.FromString,
                     response_serializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreBatchResponse.SerializeToString,
+            ),
+            'ScoreStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ScoreStream,
+                    request_deserializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreRequest.FromString,
+                    response_serializer=riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -148,6 +166,33 @@ class RiskScoring:
             '/riskscoring.v1.RiskScoring/ScoreBatch',
             riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreBatchRequest.SerializeToString,
             riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScoreStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/riskscoring.v1.RiskScoring/ScoreStream',
+            riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreRequest.SerializeToString,
+            riskscoring_dot_v1_dot_risk__scoring__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,372 @@
+"""Streams against unary calls, one machine, one run: riskserve, the do-nothing floor, Triton.
+
+Part 1, perf_analyzer (batch-1 requests on the demo model): for each server, unary ModelInfer
+and then ModelStreamInfer (``--streaming``), a closed-loop concurrency sweep. Each point gives
+perf_analyzer's req/s and client p99, and the server's CPU per request: its CPU time (every
+process of its group, from /proc) over the steady part of the run (from `--ramp-s` after
+perf_analyzer starts to its exit) divided by the requests answered meanwhile. The table shows
+concurrency 16 and the best rate whose p99 is within `--p99-ms`.
+
+Part 2, the project's client: `--callers` asyncio tasks scoring back to back, first as unary
+Score calls on one channel, then sharing one ScoreStream (riskclient's AsyncScoreStream).
+
+Servers: ``riskserve`` (batching on, budget `--budget-ms`, FP32 ONNX Runtime as the peers),
+``grpc-floor`` (bench.rpc_floor: answers zeros, computes nothing) and ``triton`` (tritonserver
+2.51 with the Python backend running ONNX Runtime, dynamic batching; bench/peers/setup.sh).
+Clients share the cores with the server; compare only figures of one run.
+
+    .venv/bin/python -m bench.streaming
+    .venv/bin/python -m bench.streaming --servers riskserve --concurrency 16 --callers 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from bench.compare import FLOOR, RESULTS_DIR, Knobs, Skip, riskserve_knobs, server_spec
+from bench.model_io import DEMO_MODEL_PATH, make_request_arrays, read_model_io
+from bench.perf_analyzer import PerfAnalyzer, PerfPlan
+from bench.results import PointResult
+from bench.servers import ServerProcess
+
+__all__ = ["main"]
+
+SERVERS = ("riskserve", FLOOR, "triton")
+MODES = ("unary", "streaming")
+MANIFEST = DEMO_MODEL_PATH.parent / "manifest.json"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One load point and the server CPU it cost."""
+
+    server: str
+    mode: str
+    concurrency: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us_per_request: float
+    errors: int
+    note: str = ""
+
+
+def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, float]:
+    """Run `run()`; the server's CPU seconds per second from `ramp_s` after it starts to its end."""
+    marks: dict[str, float] = {}
+
+    def mark() -> None:
+        marks["t0"], marks["c0"] = time.monotonic(), server.cpu_seconds()
+
+    timer = threading.Timer(ramp_s, mark)
+    timer.start()
+    try:
+        result = run()
+    finally:
+        timer.cancel()
+    end_t, end_cpu = time.monotonic(), server.cpu_seconds()
+    if "t0" not in marks or end_t - marks["t0"] < 0.5:
+        return result, math.nan
+    return result, (end_cpu - marks["c0"]) / (end_t - marks["t0"])
+
+
+def perf_points(
+    server: ServerProcess, name: str, args: argparse.Namespace, log=print
+) -> list[Point]:
+    points: list[Point] = []
+    for mode in MODES:
+        plan = PerfPlan(
+            target=server.target,
+            history_len=args.history_len,
+            window_s=args.window_s,
+            windows=args.windows,
+            max_threads=max(16, max(args.concurrency)),
+            streaming=mode == "streaming",
+            timeout_s=args.point_timeout_s,
+        )
+        with PerfAnalyzer(plan, server_label=name) as analyzer:
+            for concurrency in args.concurrency:
+                result, cpu_per_s = _cpu_during(
+                    server, args.ramp_s, lambda c=concurrency: analyzer.run_point("concurrency", c)
+                )
+                assert isinstance(result, PointResult)
+                point = _point(name, mode, concurrency, result, cpu_per_s)
+                log(_row(point))
+                points.append(point)
+                time.sleep(args.cooldown_s)
+                if point.errors:
+                    break  # perf_analyzer stops at the first failed request: a higher load too
+    return points
+
+
+def _point(name: str, mode: str, concurrency: int, result: PointResult, cpu_per_s: float) -> Point:
+    rps = result.throughput_rps
+    cpu_us = cpu_per_s / rps * 1e6 if rps > 0 else math.nan
+    return Point(
+        name,
+        mode,
+        concurrency,
+        rps,
+        result.p50_ms,
+        result.p99_ms,
+        cpu_us,
+        result.errors,
+        result.note if result.errors else "",
+    )
+
+
+# Part 2: the project's client.
+
+
+def _score_requests(n: int, history_len: int) -> list:
+    from riskclient import ScoreRequest
+
+    manifest = json.loads(MANIFEST.read_text())
+    io = read_model_io(DEMO_MODEL_PATH)
+    requests = []
+    for i in range(n):
+        arrays = make_request_arrays(io, history_len, seed=i)
+        features = arrays[io.features_input][0]
+        request = ScoreRequest(
+            entity_id=f"e{i}",
+            features={
+                name: float(v) for name, v in zip(manifest["features"], features, strict=True)
+            },
+        )
+        mask = arrays[io.mask_input][0] > 0
+        for row in arrays[io.history_input][0][mask]:
+            request.history.add(values=row.tolist())
+        requests.append(request)
+    return requests
+
+
+async def _callers(target: str, mode: str, callers: int, duration_s: float, requests) -> dict:
+    from riskclient import AsyncRiskClient, ScoringError
+
+    latencies: list[float] = []
+    errors = 0
+    async with AsyncRiskClient(target, timeout_s=5.0) as client:
+        stream = client.stream() if mode == "stream" else None
+        score = stream.score if stream is not None else client.score
+        for request in requests[:callers]:  # warm the channel (and the stream)
+            await score(request)
+        stop_at = time.perf_counter() + duration_s
+
+        async def caller(k: int) -> None:
+            nonlocal errors
+            i = k
+            while time.perf_counter() < stop_at:
+                message = requests[i % len(requests)]
+                started = time.perf_counter()
+                try:
+                    await score(message)
+                    latencies.append(time.perf_counter() - started)
+                except ScoringError:
+                    errors += 1
+                i += callers
+
+        started = time.perf_counter()
+        await asyncio.gather(*(caller(k) for k in range(callers)))
+        elapsed = time.perf_counter() - started
+        if stream is not None:
+            await stream.close()
+    ms = np.array(latencies) * 1e3
+    return {
+        "rps": len(latencies) / elapsed,
+        "p50_ms": float(np.percentile(ms, 50)) if len(ms) else math.nan,
+        "p99_ms": float(np.percentile(ms, 99)) if len(ms) else math.nan,
+        "errors": errors,
+    }
+
+
+def client_points(server: ServerProcess, args: argparse.Namespace, log=print) -> list[Point]:
+    requests = _score_requests(256, args.history_len)
+    points = []
+    for mode in ("unary", "stream"):
+        result, cpu_per_s = _cpu_during(
+            server,
+            args.ramp_s,
+            lambda m=mode: asyncio.run(
+                _callers(server.target, m, args.callers, args.client_duration_s, requests)
+            ),
+        )
+        assert isinstance(result, dict)
+        rps = result["rps"]
+        point = Point(
+            "riskserve",
+            f"riskclient {mode}",
+            args.callers,
+            rps,
+            result["p50_ms"],
+            result["p99_ms"],
+            cpu_per_s / rps * 1e6 if rps else math.nan,
+            result["errors"],
+        )
+        log(_row(point))
+        points.append(point)
+        time.sleep(args.cooldown_s)
+    return points
+
+
+# The report.
+
+
+def _row(p: Point) -> str:
+    errors = f"  errors {p.errors}" if p.errors else ""
+    note = f"  ({p.note})" if p.note else ""
+    return (
+        f"  {p.server:<10} {p.mode:<17} c={p.concurrency:<3} {p.rps:8.0f} req/s"
+        f"  p50 {p.p50_ms:6.2f}  p99 {p.p99_ms:6.2f} ms  server {p.cpu_us_per_request:5.0f} "
+        f"CPU-us/req{errors}{note}"
+    )
+
+
+def _best(points: Sequence[Point], p99_ms: float) -> Point | None:
+    passing = [p for p in points if not p.errors and p.p99_ms <= p99_ms]
+    return max(passing, key=lambda p: p.rps, default=None)
+
+
+def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
+    rows: dict[str, dict] = {}
+    for server in dict.fromkeys(p.server for p in points):
+        for mode in MODES:
+            mine = [p for p in points if p.server == server and p.mode == mode]
+            if not mine:
+                continue
+            at16 = next((p for p in mine if p.concurrency == args.at), None)
+            best = _best(mine, args.p99_ms)
+            rows[f"{server} {mode}"] = {"at": at16, "best": best}
+    print()
+    print(
+        f"perf_analyzer, batch 1, history {args.history_len}: at c={args.at}, and the best rate"
+        f" with p99 <= {args.p99_ms:g} ms over c in {args.concurrency}"
+    )
+    print(
+        f"{'server / mode':<22} {'req/s':>8} {'p99 ms':>7} {'CPU us/req':>11}"
+        f" | {'best req/s':>10} {'at c':>5} {'p99 ms':>7}"
+    )
+    for key, row in rows.items():
+        at, best = row["at"], row["best"]
+        left = (
+            f"{at.rps:>8.0f} {at.p99_ms:>7.2f} {at.cpu_us_per_request:>11.0f}"
+            if at
+            else f"{'-':>8} {'-':>7} {'-':>11}"
+        )
+        right = (
+            f"{best.rps:>10.0f} {best.concurrency:>5} {best.p99_ms:>7.2f}"
+            if best
+            else f"{'none':>10} {'':>5} {'':>7}"
+        )
+        print(f"{key:<22} {left} | {right}")
+    client = [p for p in points if p.mode.startswith("riskclient")]
+    if client:
+        print()
+        print(f"the project's client, {args.callers} concurrent callers, one process")
+        for p in client:
+            print(
+                f"{p.mode:<22} {p.rps:>8.0f} req/s  p50 {p.p50_ms:6.2f}  p99 {p.p99_ms:6.2f} ms"
+                f"  server {p.cpu_us_per_request:5.0f} CPU-us/req"
+                + (f"  errors {p.errors}" if p.errors else "")
+            )
+    targets = _targets(rows, client)
+    if targets:
+        print()
+        for line in targets:
+            print(line)
+    return {k: {n: (v.__dict__ if v else None) for n, v in r.items()} for k, r in rows.items()}
+
+
+def _targets(rows: dict[str, dict], client: Sequence[Point]) -> list[str]:
+    """The issue's targets, each as a ratio of this run's figures."""
+    lines = []
+
+    def get(key: str, part: str) -> Point | None:
+        return rows.get(key, {}).get(part)
+
+    stream, unary = get("riskserve streaming", "at"), get("riskserve unary", "at")
+    triton_stream = get("triton streaming", "at")
+    if stream and unary:
+        ratio = stream.cpu_us_per_request / unary.cpu_us_per_request
+        lines.append(f"riskserve streaming CPU/req / unary: {ratio:.2f} (target <= 0.5)")
+    if stream and triton_stream:
+        ratio = stream.cpu_us_per_request / triton_stream.cpu_us_per_request
+        lines.append(f"riskserve streaming CPU/req / Triton streaming: {ratio:.2f} (target <= 1)")
+    best_stream, triton_unary = get("riskserve streaming", "best"), get("triton unary", "best")
+    if best_stream and triton_unary:
+        ratio = best_stream.rps / triton_unary.rps
+        lines.append(f"best streaming rate / Triton's best unary: {ratio:.2f} (target >= 2)")
+    if len(client) == 2:
+        unary_c, stream_c = client
+        lines.append(
+            f"client stream / unary: rate {stream_c.rps / unary_c.rps:.2f}x, "
+            f"p99 {stream_c.p99_ms / unary_c.p99_ms:.2f}x (target: rate > 1, p99 < 1)"
+        )
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated")
+    parser.add_argument(
+        "--concurrency",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[1, 4, 8, 16, 32, 64],
+        help="perf_analyzer's sweep",
+    )
+    parser.add_argument("--at", type=int, default=16, help="the concurrency the table shows")
+    parser.add_argument("--p99-ms", type=float, default=10.0)
+    parser.add_argument("--history-len", type=int, default=32)
+    parser.add_argument("--window-s", type=float, default=1.5)
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--ramp-s", type=float, default=1.0, help="CPU counts from here")
+    parser.add_argument("--cooldown-s", type=float, default=0.5)
+    parser.add_argument("--budget-ms", type=float, default=1000.0, help="riskserve's budget")
+    parser.add_argument("--callers", type=int, default=64, help="riskclient's callers")
+    parser.add_argument("--client-duration-s", type=float, default=5.0)
+    parser.add_argument("--no-client", action="store_true", help="skip part 2")
+    parser.add_argument(
+        "--point-timeout-s", type=float, default=60.0, help="a perf_analyzer run's time limit"
+    )
+    args = parser.parse_args(argv)
+    if args.at not in args.concurrency:
+        args.concurrency = sorted({*args.concurrency, args.at})
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    knobs: Knobs = replace(riskserve_knobs(args.budget_ms))
+    points: list[Point] = []
+    for name in args.servers.split(","):
+        try:
+            spec = server_spec(name, DEMO_MODEL_PATH, knobs)
+        except (Skip, FileNotFoundError) as exc:
+            print(f"[{name}] skipped: {exc}")
+            continue
+        print(f"[{name}]")
+        log = RESULTS_DIR / f"streaming_{name}.log"
+        with ServerProcess(spec, log) as server:
+            points += perf_points(server, name, args)
+            if name == "riskserve" and not args.no_client:
+                points += client_points(server, args)
+    summary = summarize(points, args)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    out = RESULTS_DIR / "streaming.json"
+    out.write_text(json.dumps({"args": vars(args), "summary": summary}, indent=2, default=str))
+    print(f"\nwrote {out.relative_to(Path.cwd()) if out.is_relative_to(Path.cwd()) else out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,261 @@
+"""One ScoreStream shared by many concurrent callers.
+
+Each `score()` call puts its request on the one stream and waits on its own future, found
+again by `request_id` when the answer arrives (answers come in completion order). When the
+stream ends without being closed (the server drained with UNAVAILABLE, or the connection
+broke) the next stream opens at once, waiting for the server to be ready; the requests that
+were sent and not answered are sent again on it (`resend_unanswered=True`) or fail with
+UNAVAILABLE. A request whose `timeout_s` passes fails with DEADLINE_EXCEEDED, and the server is
+told the same budget in the message's `timeout_us`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from riskclient._errors import ScoringError, StreamClosed, status_code
+from riskclient._messages import RequestLike, as_request
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+
+__all__ = ["AsyncScoreStream"]
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+
+
+class _Pending:
+    """A request on its way: its future, whether the current stream took it, its timer."""
+
+    __slots__ = ("future", "request", "sent", "timer")
+
+    def __init__(self, request: pb.ScoreRequest, future: asyncio.Future[pb.ScoreResponse]):
+        self.request = request
+        self.future = future
+        self.sent = False
+        self.timer: asyncio.TimerHandle | None = None
+
+
+class AsyncScoreStream:
+    """Many concurrent `score()` calls multiplexed on one ScoreStream call.
+
+    Use it from one event loop; close it (or use ``async with``) to end the stream after the
+    requests already sent are answered.
+    """
+
+    def __init__(
+        self,
+        channel: grpc.aio.Channel,
+        metadata: Sequence[tuple[str, str]] = (),
+        *,
+        resend_unanswered: bool = False,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._stub = pb_grpc.RiskScoringStub(channel)
+        self._metadata = tuple(metadata)
+        self.resend_unanswered = resend_unanswered
+        self._timeout_s = timeout_s
+        self._pending: dict[str, _Pending] = {}
+        self._outbox: deque[_Pending] = deque()
+        self._wake_sender: asyncio.Future[None] | None = None
+        self._has_work: asyncio.Event | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._closing = False
+        self._generation = 0
+        self._ids = itertools.count()
+        self._id_prefix = f"{os.getpid():x}-{id(self):x}-"
+        self.reconnects = 0
+        self.answered = 0
+
+    async def __aenter__(self) -> AsyncScoreStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests waiting for their answers, sent or queued."""
+        return len(self._pending)
+
+    @property
+    def sent_unanswered(self) -> int:
+        """Requests the current stream has sent and not had answered."""
+        return sum(1 for p in self._pending.values() if p.sent and not p.future.done())
+
+    async def score(
+        self, request: RequestLike, *, timeout_s: float | None = None
+    ) -> pb.ScoreResponse:
+        """Score one request on the shared stream; raises ScoringError when it is not scored."""
+        if self._closing:
+            raise StreamClosed("the stream client is closed")
+        message = as_request(request)
+        timeout_s = self._timeout_s if timeout_s is None else timeout_s
+        request_id = message.request_id
+        copy_needed = not request_id or (timeout_s is not None and not message.timeout_us)
+        if copy_needed:
+            copied = pb.ScoreRequest()
+            copied.CopyFrom(message)
+            message = copied
+            if not request_id:
+                request_id = message.request_id = f"{self._id_prefix}{next(self._ids)}"
+            if timeout_s is not None and not message.timeout_us:
+                message.timeout_us = max(1, int(timeout_s * 1e6))
+        if request_id in self._pending:
+            raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
+        loop = asyncio.get_running_loop()
+        pending = _Pending(message, loop.create_future())
+        self._pending[request_id] = pending
+        if timeout_s is not None:
+            pending.timer = loop.call_later(timeout_s, self._expire, request_id)
+        self._outbox.append(pending)
+        self._wake()
+        if self._runner is None:
+            self._has_work = asyncio.Event()
+            self._runner = loop.create_task(self._run())
+        try:
+            return await pending.future
+        finally:
+            if self._pending.get(request_id) is pending:
+                del self._pending[request_id]
+            if pending.timer is not None:
+                pending.timer.cancel()
+
+    async def close(self) -> None:
+        """Stop taking requests, wait for those sent to be answered, and end the stream."""
+        self._closing = True
+        self._wake()
+        runner = self._runner
+        if runner is not None:
+            try:
+                await runner
+            finally:
+                self._runner = None
+        for pending in tuple(self._pending.values()):
+            _fail(pending, StreamClosed("the stream client was closed"))
+
+    def _wake(self) -> None:
+        waiting = self._wake_sender
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+        if self._has_work is not None:
+            self._has_work.set()
+
+    def _expire(self, request_id: str) -> None:
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            _fail(
+                pending,
+                ScoringError(_DEADLINE_EXCEEDED, "no answer within the call's timeout", request_id),
+            )
+
+    async def _run(self) -> None:
+        """Open a stream, answer what it carries, and open the next when it breaks."""
+        assert self._has_work is not None
+        backoff_s = _FIRST_BACKOFF_S
+        while True:
+            self._has_work.clear()
+            if self._closing and not self._pending:
+                return
+            if not self._outbox and not self._pending:
+                await self._has_work.wait()
+                continue
+            answered = self.answered
+            code, details = await self._one_stream()
+            self._generation += 1
+            self._after_stream(code, details)
+            if self.answered > answered or code is grpc.StatusCode.OK:
+                backoff_s = _FIRST_BACKOFF_S
+            else:
+                # A server that ends streams at once (draining, say) is not asked again at once.
+                await asyncio.sleep(backoff_s)
+                backoff_s = min(backoff_s * 2, _MAX_BACKOFF_S)
+
+    async def _one_stream(self) -> tuple[grpc.StatusCode, str]:
+        call = self._stub.ScoreStream(
+            self._requests(self._generation), metadata=self._metadata, wait_for_ready=True
+        )
+        self._call = call
+        pending = self._pending
+        try:
+            async for reply in call:
+                self.answered += 1
+                entry = pending.pop(reply.request_id, None)
+                if entry is None or entry.future.done():
+                    continue  # timed out already
+                status = reply.status
+                if status.code:
+                    entry.future.set_exception(
+                        ScoringError(status_code(status.code), status.message, reply.request_id)
+                    )
+                else:
+                    entry.future.set_result(reply)
+            return await call.code(), await call.details() or ""
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or ""
+
+    def _after_stream(self, code: grpc.StatusCode, details: str) -> None:
+        """Settle the requests the ended stream took and did not answer."""
+        unanswered = [p for p in self._pending.values() if p.sent and not p.future.done()]
+        if code is grpc.StatusCode.OK and not unanswered:
+            return
+        self.reconnects += 1
+        retry = code in (_UNAVAILABLE, grpc.StatusCode.OK) and self.resend_unanswered
+        for pending in unanswered:
+            pending.sent = False
+            if retry and not self._closing:
+                self._outbox.appendleft(pending)
+            else:
+                request_id = pending.request.request_id
+                message = details or "the stream ended before this request was answered"
+                failed_with = _UNAVAILABLE if code is grpc.StatusCode.OK else code
+                self._pending.pop(request_id, None)
+                _fail(pending, ScoringError(failed_with, message, request_id))
+        if code not in (_UNAVAILABLE, grpc.StatusCode.OK):
+            # Not a broken connection (refused credentials, say): the queued requests would
+            # meet the same answer.
+            while self._outbox:
+                pending = self._outbox.popleft()
+                self._pending.pop(pending.request.request_id, None)
+                _fail(pending, ScoringError(code, details, pending.request.request_id))
+
+    async def _requests(self, generation: int) -> AsyncIterator[pb.ScoreRequest]:
+        """What the stream of `generation` sends; it ends (half-closing) once closing and idle."""
+        outbox = self._outbox
+        loop = asyncio.get_running_loop()
+        call = self._call
+        # The server sends its headers as a stream opens. Until they come the call may yet be
+        # refused (a wrong token, say), and a write racing that refusal turns its status into
+        # INTERNAL; after them a refused call is done and nothing is written.
+        if call is not None:
+            await call.initial_metadata()
+            if call.done():
+                return
+        while generation == self._generation:
+            while outbox:
+                pending = outbox.popleft()
+                if pending.future.done():
+                    continue  # timed out while queued
+                pending.sent = True
+                yield pending.request
+                if generation != self._generation:
+                    return
+            if self._closing:
+                return
+            self._wake_sender = loop.create_future()
+            await self._wake_sender
+            self._wake_sender = None
+
+
+def _fail(pending: _Pending, exc: Exception) -> None:
+    if not pending.future.done():
+        pending.future.set_exception(exc)

@@ -1,0 +1,345 @@
+"""Bidirectional streams: many requests on one call, each scored on the unary path.
+
+A stream reads its messages in one task and starts each on the same per-request path as the
+unary RPC, wrapped in the same RPC boundary (its own trace, request metric and error mapping),
+with a `MessageContext` standing in for the call's context. Responses are written as they
+complete. A message that fails is answered with its status and the stream stays open.
+
+Per stream at most `max_in_flight` messages are scored at once; a message beyond that is
+answered RESOURCE_EXHAUSTED at once. Answers waiting to be written count too: at twice the
+bound the stream stops reading, so a caller that does not read its answers only fills gRPC's
+flow-control window, never the server's memory. On drain (SIGTERM) a stream stops reading,
+answers every message it has read, and ends with UNAVAILABLE: the caller resends elsewhere
+whatever it sent that was never answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar, cast
+
+import grpc
+
+from service.handlers.boundary import Malformed, rpc_boundary
+
+__all__ = [
+    "DEFAULT_MAX_IN_FLIGHT",
+    "MessageContext",
+    "MessageStreams",
+    "StreamMethod",
+    "stream_method",
+]
+
+# Messages one stream may have in flight when not configured (Settings.max_stream_in_flight).
+DEFAULT_MAX_IN_FLIGHT = 256
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+log = logging.getLogger(__name__)
+
+_OK = grpc.StatusCode.OK
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
+_DRAINING = "server is shutting down; messages not answered were not accepted, resend them"
+
+
+class MessageContext:
+    """What the RPC boundary and the handlers read of a call's context, for one message.
+
+    `time_remaining()` is the message's own deadline; `abort()` records the status and raises
+    like grpc.aio's, so the boundary maps errors exactly as for a unary call.
+    """
+
+    __slots__ = ("_code", "_details", "_metadata", "deadline")
+
+    def __init__(self, metadata: Any, deadline: float) -> None:
+        self._metadata = metadata
+        self.deadline = deadline
+        self._code = grpc.StatusCode.OK
+        self._details = ""
+
+    def invocation_metadata(self) -> Any:
+        return self._metadata
+
+    def time_remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._code, self._details = code, details
+        raise grpc.aio.AbortError()
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+# The per-message handler: a boundary-wrapped (servicer, request, MessageContext) coroutine.
+PerMessage = Callable[[Any, Req, MessageContext], Coroutine[Any, Any, Resp]]
+# The answer to a message that failed: (request, code, details) -> response.
+ErrorReply = Callable[[Req | Malformed, grpc.StatusCode, str], Resp]
+# A message's own time budget in seconds, or None for the server's.
+MessageBudget = Callable[[Req], float | None]
+
+
+@dataclass(frozen=True, slots=True)
+class StreamMethod(Generic[Req, Resp]):
+    """How a stream RPC answers each message: scored, failed, and its own time budget."""
+
+    per_message: PerMessage[Req, Resp]
+    error_reply: ErrorReply[Req, Resp]
+    message_budget: MessageBudget[Req]
+
+
+def stream_method(
+    name: str,
+    handler: PerMessage[Req, Resp],
+    error_reply: ErrorReply[Req, Resp],
+    message_budget: MessageBudget[Req],
+) -> StreamMethod[Req, Resp]:
+    """The stream RPC `name`: `handler` per message behind the RPC boundary, traced and
+    measured as `name`."""
+    handler.__name__ = name
+    # The boundary's wrapper is a coroutine function, so a stream can make it a task.
+    wrapped = cast(PerMessage[Req, Resp], rpc_boundary(handler))
+    return StreamMethod(wrapped, error_reply, message_budget)
+
+
+class MessageStreams:
+    """The open streams of a server: their in-flight bound, and their drain on stop."""
+
+    def __init__(self, max_in_flight: int, budget_s: float) -> None:
+        self.max_in_flight = max_in_flight
+        self.budget_s = budget_s
+        self.draining = False
+        self._open: set[_Stream[Any, Any]] = set()
+
+    def drain(self) -> None:
+        """Stop reading every stream; each ends once its read messages are answered."""
+        self.draining = True
+        for stream in tuple(self._open):
+            stream.drain()
+
+    @property
+    def open_streams(self) -> int:
+        return len(self._open)
+
+    async def serve(
+        self,
+        requests: AsyncIterator[Req],
+        context: grpc.aio.ServicerContext,
+        servicer: Any,
+        method: StreamMethod[Req, Resp],
+    ) -> None:
+        """Answer one stream's messages, writing each response as it completes."""
+        if self.draining:
+            context.set_code(_UNAVAILABLE)
+            context.set_details(_DRAINING)
+            return
+        stream = _Stream(self, requests, context, servicer, method)
+        self._open.add(stream)
+        try:
+            await stream.run()
+        finally:
+            self._open.discard(stream)
+            stream.close()
+
+
+class _Message(Generic[Req, Resp]):
+    """One message being scored: its coroutine stepped here rather than by an asyncio Task.
+
+    A Task per message costs an object and an event-loop turn before it starts. Here the
+    first step runs at once, in the reader; each later step is the done callback of the future
+    the coroutine awaits, in the message's own context, which is all a Task would do for a
+    coroutine that awaits only futures, as the per-request path does. So that path must not
+    need `asyncio.current_task()` (`asyncio.timeout` does): it has none here.
+    """
+
+    __slots__ = ("_context_vars", "_coro", "_stream", "_waiting", "context", "request")
+
+    def __init__(
+        self,
+        stream: _Stream[Req, Resp],
+        coro: Coroutine[Any, Any, Resp],
+        request: Req,
+        context: MessageContext,
+    ) -> None:
+        self._stream = stream
+        self._coro = coro
+        self.request = request
+        self.context = context
+        self._context_vars = contextvars.copy_context()
+        self._waiting: asyncio.Future[Any] | None = None
+
+    def start(self) -> None:
+        self._context_vars.run(self._step)
+
+    def cancel(self) -> None:
+        """Cancel what the message awaits; it ends with CancelledError, as a Task would."""
+        if self._waiting is not None:
+            self._waiting.cancel()
+
+    def _step(self, _done: object = None) -> None:
+        self._waiting = None
+        try:
+            awaited = self._coro.send(None)
+        except StopIteration as finished:
+            self._stream._finished(self, finished.value, None)
+            return
+        except (Exception, asyncio.CancelledError) as exc:
+            self._stream._finished(self, None, exc)
+            return
+        if getattr(awaited, "_asyncio_future_blocking", None):
+            awaited._asyncio_future_blocking = False
+            self._waiting = awaited
+            awaited.add_done_callback(self._step, context=self._context_vars)
+        elif awaited is None:  # a bare yield (asyncio.sleep(0)): run again on the next turn
+            asyncio.get_running_loop().call_soon(self._step, context=self._context_vars)
+        else:
+            self._coro.close()
+            failure = RuntimeError(f"a stream message awaited {awaited!r}, not a future")
+            self._stream._finished(self, None, failure)
+
+
+class _Stream(Generic[Req, Resp]):
+    """One call's reader, its messages in flight, and its answers not yet written."""
+
+    def __init__(
+        self,
+        streams: MessageStreams,
+        requests: AsyncIterator[Req],
+        context: grpc.aio.ServicerContext,
+        servicer: Any,
+        method: StreamMethod[Req, Resp],
+    ) -> None:
+        self._streams = streams
+        self._requests = requests
+        self._context = context
+        self._metadata = context.invocation_metadata()
+        remaining = context.time_remaining()
+        self._call_deadline = float("inf") if remaining is None else time.monotonic() + remaining
+        self._servicer = servicer
+        self._per_message = method.per_message
+        self._error_reply = method.error_reply
+        self._message_budget = method.message_budget
+        self._loop = asyncio.get_running_loop()
+        self._answers: deque[Resp] = deque()
+        self._scoring: set[_Message[Req, Resp]] = set()
+        self._unwritten = 0  # read and not yet written: in flight plus answers queued
+        self._reading = True
+        self._draining = False
+        self._writer_waiting: asyncio.Future[None] | None = None
+        self._reader_waiting: asyncio.Future[None] | None = None
+        self._reader: asyncio.Task[None] | None = None
+
+    def drain(self) -> None:
+        self._draining = True
+        if self._reader is not None and self._reading:
+            self._reader.cancel()
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        for message in tuple(self._scoring):
+            message.cancel()
+
+    async def run(self) -> None:
+        # Headers at once: a client may wait for them before sending, so that a call refused
+        # before this handler (UNAUTHENTICATED, say) never races its first write.
+        await self._context.send_initial_metadata(())
+        if self._draining:
+            self._reading = False
+        else:
+            self._reader = self._loop.create_task(self._read())
+        answers = self._answers
+        write = self._context.write
+        while True:
+            while answers:
+                await write(answers.popleft())
+                self._unwritten -= 1
+                waiting = self._reader_waiting
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(None)
+            if not self._reading and not self._scoring:
+                break
+            self._writer_waiting = self._loop.create_future()
+            await self._writer_waiting
+            self._writer_waiting = None
+        if self._draining:
+            self._context.set_code(_UNAVAILABLE)
+            self._context.set_details(_DRAINING)
+
+    async def _read(self) -> None:
+        limit = self._streams.max_in_flight
+        try:
+            async for request in self._requests:
+                self._unwritten += 1
+                if len(self._scoring) >= limit:
+                    self._answer(
+                        self._error_reply(
+                            request,
+                            _RESOURCE_EXHAUSTED,
+                            f"more than {limit} messages in flight on this stream; "
+                            "wait for answers before sending more",
+                        )
+                    )
+                else:
+                    self._start(request)
+                if self._unwritten >= 2 * limit:
+                    # Answers are not being read: stop reading until they are.
+                    self._reader_waiting = self._loop.create_future()
+                    await self._reader_waiting
+                    self._reader_waiting = None
+        except asyncio.CancelledError:
+            if not self._draining:
+                raise
+        except Exception:
+            # The call broke while reading; what was read is still answered if it can be.
+            log.debug("reading a stream failed", exc_info=True)
+        finally:
+            self._reading = False
+            self._wake_writer()
+
+    def _start(self, request: Req) -> None:
+        now = time.monotonic()
+        budget_s = self._message_budget(request) if not isinstance(request, Malformed) else None
+        deadline = now + (self._streams.budget_s if budget_s is None else budget_s)
+        context = MessageContext(self._metadata, min(deadline, self._call_deadline))
+        coro = self._per_message(self._servicer, request, context)
+        message = _Message(self, coro, request, context)
+        self._scoring.add(message)
+        message.start()
+
+    def _finished(
+        self, message: _Message[Req, Resp], reply: Resp | None, exc: BaseException | None
+    ) -> None:
+        self._scoring.discard(message)
+        if exc is None:
+            self._answer(reply)  # type: ignore[arg-type]
+            return
+        request, context = message.request, message.context
+        if isinstance(exc, asyncio.CancelledError):
+            self._answer(self._error_reply(request, _UNAVAILABLE, "the stream was closed"))
+            return
+        code = context.code()
+        if code is _OK:  # the boundary maps every error to an abort; this is a safety net
+            log.error("stream message failed outside the RPC boundary", exc_info=exc)
+            code = grpc.StatusCode.INTERNAL
+        self._answer(self._error_reply(request, code, context.details() or "internal error"))
+
+    def _answer(self, reply: Resp) -> None:
+        self._answers.append(reply)
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        waiting = self._writer_waiting
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
