@@ -30,6 +30,9 @@ QUEUE_WAIT_DURATION = "riskserve.queue.wait.duration"
 ENGINE_DURATION = "riskserve.engine.duration"
 BATCH_SIZE = "riskserve.batch.size"
 
+# The label of a model or version that is not loaded (see Metrics.loaded_labels).
+UNKNOWN_LABEL = "unknown"
+
 # Queue depth per (model, version).
 QueueDepthCallback = Callable[[], Mapping[tuple[str, str], int]]
 # Traces decided so far, by reason kept or 'dropped'.
@@ -159,8 +162,24 @@ class Metrics:
         """`copies` shadow copies of `model`'s requests were dropped."""
         self._shadow_drops.add(copies, {"model": model})
 
+    def loaded_labels(self, model: str, version: str) -> tuple[str, str]:
+        """`model` and `version` as metric labels: kept where loaded, else UNKNOWN_LABEL.
+
+        A caller can name any model; labelling its requests with that name would let it make
+        series without bound. The loaded versions are the keys of the queue-depth callback.
+        """
+        with self._callback_lock:
+            callback = self._depth_callback
+        loaded = callback() if callback is not None else {}
+        if (model, version) in loaded:
+            return model, version
+        if any(name == model for name, _ in loaded):
+            return model, "" if not version else UNKNOWN_LABEL
+        return UNKNOWN_LABEL, "" if not version else UNKNOWN_LABEL
+
     def set_queue_depth_callback(self, callback: QueueDepthCallback | None) -> None:
-        """`callback()` -> {(model, version): depth}, called at each scrape."""
+        """`callback()` -> {(model, version): depth} of every loaded version, called at each
+        scrape and to check a failed request's labels (`loaded_labels`)."""
         with self._callback_lock:
             self._depth_callback = callback
 
