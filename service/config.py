@@ -139,7 +139,17 @@ class Settings(BaseSettings):
         False, description="Export every span (the Collector does tail sampling)."
     )
     trace_file: Path | None = Field(
-        Path("traces.jsonl"), description="JSON-lines trace file when no OTLP exporter is set."
+        Path("traces.jsonl"),
+        description="JSON-lines file of kept traces when OTEL_TRACES_EXPORTER is unset, relative "
+        "to the working directory; none: no file.",
+    )
+    trace_file_max_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="The trace file is rotated when it reaches this size."
+    )
+    trace_file_backup_count: int = Field(
+        3,
+        ge=1,
+        description="Rotated trace files kept (traces.jsonl.1, ...); older ones are deleted.",
     )
     tracing: bool = Field(True, description="Trace RPCs and batches (tail-sampled export).")
     metrics_host: str = Field("127.0.0.1", description="Address the Prometheus endpoint binds.")

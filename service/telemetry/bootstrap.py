@@ -94,7 +94,9 @@ def setup_telemetry(
         exporters = (
             list(span_exporters)
             if span_exporters is not None
-            else span_exporters_from_environment(config.trace_file)
+            else span_exporters_from_environment(
+                config.trace_file, config.trace_file_max_bytes, config.trace_file_backup_count
+            )
         )
         tracing = Tracing(
             TailSamplingPolicy(
