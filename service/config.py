@@ -85,6 +85,11 @@ class Settings(BaseSettings):
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain for TLS.")
     tls_key_file: Path | None = Field(None, description="PEM private key for TLS.")
     tls_client_ca_file: Path | None = Field(None, description="CA bundle; set to require mTLS.")
+    tls_ca_file: Path | None = Field(
+        None,
+        description="CA bundle the riskserve CLI verifies the server's certificate with "
+        "(the CLI talks TLS when this or tls_cert_file is set); unset: the system's roots.",
+    )
     tls_reload_interval_s: float = Field(
         1.0, ge=0, description="Least time between checks of the TLS files for a new mtime."
     )
