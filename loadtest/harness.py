@@ -8,9 +8,11 @@
 the standard gRPC health service answers SERVING, runs the command, then stops the server with
 SIGTERM (SIGKILL after --stop-grace-s). When something already listens on --target it refuses
 to start a server (the load would go to that other process): stop it, choose another port, or
-leave --server empty to load what is running. With --soak-csv it samples the server's resident memory
-and open file descriptors (the process and its children) every --interval-s seconds and fails
-when either grew, from just after --warmup-s to the end, by more than its bound.
+leave --server empty to load what is running.
+
+With --soak-csv it samples the server's resident memory and open file descriptors (the process
+and its children) every --interval-s seconds and fails when either grew, from just after
+--warmup-s to the end, by more than its bound.
 
 Exit status: the command's, else 1 when a bound was exceeded or the server died during the
 run, 2 when the port was taken, the server never became healthy or the run was too short to
