@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 __all__ = [
     "HistorySpec",
@@ -104,10 +105,40 @@ class Manifest(_Frozen):
     )
     calibration: str | None = Field(None, description="npz file of representative inputs.")
     tolerance: Tolerance = Tolerance()
+    feature_ranges: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="Valid [low, high] per feature name; a value outside is INVALID_ARGUMENT.",
+    )
+    _bounds: tuple[np.ndarray, np.ndarray] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _known_ranges(self) -> Manifest:
+        unknown = sorted(set(self.feature_ranges) - set(self.features))
+        if unknown:
+            raise ValueError(f"feature_ranges names unknown features: {', '.join(unknown)}")
+        for name, (low, high) in self.feature_ranges.items():
+            if not low <= high:
+                raise ValueError(f"feature_ranges[{name!r}]: low {low} is above high {high}")
+        return self
+
+    def model_post_init(self, context: object, /) -> None:
+        if self.feature_ranges:
+            low = np.full(self.n_features, -np.inf, dtype=np.float32)
+            high = np.full(self.n_features, np.inf, dtype=np.float32)
+            for i, name in enumerate(self.features):
+                if name in self.feature_ranges:
+                    low[i], high[i] = self.feature_ranges[name]
+            self._bounds = (low, high)
 
     @property
     def n_features(self) -> int:
         return len(self.features)
+
+    @property
+    def feature_bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Per-feature low and high bounds in feature order (float32, +-inf where none is
+        declared), or None when the manifest declares no range."""
+        return self._bounds
 
 
 def load_manifest(model_dir: Path) -> Manifest:

@@ -9,7 +9,7 @@ import grpc
 from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
-from service.codec import decode_infer_request, encode_infer_response
+from service.codec import checked_model_name, decode_infer_request, encode_infer_response
 from service.handlers.boundary import (
     deadline_for,
     note_model,
@@ -86,7 +86,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelMetadataResponse:
-        model = self._registry.get(request.name, request.version)
+        model = self._registry.get(checked_model_name(request.name, "name"), request.version)
         meta = oip.ModelMetadataResponse.TensorMetadata
         return oip.ModelMetadataResponse(
             name=model.name,
@@ -100,7 +100,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(
         self, request: oip.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelConfigResponse:
-        model = self._registry.get(request.name, request.version)
+        model = self._registry.get(checked_model_name(request.name, "name"), request.version)
         config = mc.ModelConfig(
             name=model.name,
             platform=PLATFORM,
@@ -121,7 +121,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
         note_model(request.model_name, request.model_version)
-        model = self._registry.get(request.model_name, request.model_version)
+        model = self._registry.get(checked_model_name(request.model_name), request.model_version)
         decode_started_ns = time.monotonic_ns()
         rows = decode_infer_request(request, model.manifest)
         note_validated(decode_started_ns)
