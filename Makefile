@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check -q
 
-.PHONY: serve test lint proto clean loadtest soak
+.PHONY: serve test lint proto config-docs clean loadtest soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,10 @@ include loadtest/loadtest.mk
 
 proto: $(VENV)/.test-installed
 	PYTHON=$(BIN)/python scripts/gen-proto
+
+# docs/configuration.md is generated from the Settings model (a test fails when it is stale).
+config-docs: $(VENV)/.serve-installed
+	$(BIN)/python -m service.config_docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
