@@ -215,6 +215,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                     name,
                     time.perf_counter() - started,
                     kept_trace,
+                    method,
                 )
         raise AssertionError("context.abort returned")  # pragma: no cover
 
