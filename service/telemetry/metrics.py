@@ -35,7 +35,13 @@ UNKNOWN_LABEL = "unknown"
 # Every reason a request is shed and (the part before ':') an engine falls back: each loaded
 # model shows all of them from the start, at 0, so a rate over them needs no special case.
 SHED_REASONS = ("queue_full", "deadline")
-FALLBACK_REASONS = ("shape_mismatch", "engine_error", "engine_hung", "engines_unavailable")
+FALLBACK_REASONS = (
+    "shape_mismatch",
+    "engine_error",
+    "engine_hung",
+    "non_finite_output",
+    "engines_unavailable",
+)
 
 # Queue depth per (model, version).
 QueueDepthCallback = Callable[[], Mapping[tuple[str, str], int]]
