@@ -309,6 +309,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _CLIENTS = ("score", "info")
+# How grpc's add_insecure_port and add_secure_port report an address they cannot bind.
+_BIND_FAILED = "Failed to bind to address"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -353,5 +355,14 @@ def _describe(exc: Exception, args: argparse.Namespace) -> tuple[str, int]:
         return f"{code.name}: {details}", EXIT_STATUS
     if isinstance(exc, json_format.ParseError):
         return f"invalid request: {exc}", EXIT_USAGE
+    if isinstance(exc, RuntimeError) and str(exc).startswith(_BIND_FAILED):
+        address = str(exc).removeprefix(_BIND_FAILED).split(";")[0].strip()
+        return (
+            f"cannot listen on {address}: the port is in use or the address is not this host's; "
+            "choose another port (RISKSERVE_PORT or --port)",
+            EXIT_USAGE,
+        )
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else ""), EXIT_USAGE
     text = str(exc) or type(exc).__name__
     return f"{text} (--log-level DEBUG shows where)", EXIT_USAGE

@@ -195,3 +195,29 @@ def test_clients_talk_tls_when_the_server_has_a_certificate(models_root, tmp_pat
         assert done.returncode == 0, done.stderr
         # Without the CA the server's certificate is not trusted: refused, in one line.
         assert one_line_error(run_cli("info", port=port, **tls), "info").startswith("UNAVAILABLE")
+
+
+@pytest.fixture()
+def taken_port() -> Iterator[int]:
+    """A loopback port something already listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_serve_on_a_taken_port_says_which_in_one_line(taken_port, tmp_path):
+    from modelkit import write_tabular_model
+
+    write_tabular_model(tmp_path)
+    common = {"models_dir": str(tmp_path), "trace_file": "none", "warmup_iterations": "0"}
+    done = run_cli("serve", port="0", metrics_port=str(taken_port), **common)
+    error = one_line_error(done, "serve")
+    assert error.startswith(f"cannot serve metrics on 127.0.0.1:{taken_port}: "), error
+    assert "RISKSERVE_METRICS_PORT" in error
+    # The gRPC port is bound once the models are loaded: the server's log comes first, then
+    # the one line of the error, and no traceback.
+    done = run_cli("serve", port=str(taken_port), metrics_port="none", **common)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"riskserve serve: cannot listen on 127.0.0.1:{taken_port}: "), last
