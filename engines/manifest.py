@@ -8,13 +8,16 @@ thresholds, optimization profiles and precision tolerances.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "FeatureBounds",
     "HistorySpec",
     "Manifest",
     "ProfileSpec",
@@ -79,6 +82,16 @@ class Tolerance(_Frozen):
     flip_rate: float = 0.01
 
 
+@dataclass(frozen=True, eq=False)
+class FeatureBounds:
+    """Per-feature low and high bounds in feature order (float32; -inf and +inf where no range
+    is declared). Compared by identity, so a manifest that has built its bounds still compares
+    equal to one that has not."""
+
+    low: np.ndarray
+    high: np.ndarray
+
+
 class Manifest(_Frozen):
     """Everything the server needs to know about one model version besides its weights."""
 
@@ -109,7 +122,6 @@ class Manifest(_Frozen):
         default_factory=dict,
         description="Valid [low, high] per feature name; a value outside is INVALID_ARGUMENT.",
     )
-    _bounds: tuple[np.ndarray, np.ndarray] | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _known_ranges(self) -> Manifest:
@@ -121,24 +133,21 @@ class Manifest(_Frozen):
                 raise ValueError(f"feature_ranges[{name!r}]: low {low} is above high {high}")
         return self
 
-    def model_post_init(self, context: object, /) -> None:
-        if self.feature_ranges:
-            low = np.full(self.n_features, -np.inf, dtype=np.float32)
-            high = np.full(self.n_features, np.inf, dtype=np.float32)
-            for i, name in enumerate(self.features):
-                if name in self.feature_ranges:
-                    low[i], high[i] = self.feature_ranges[name]
-            self._bounds = (low, high)
-
     @property
     def n_features(self) -> int:
         return len(self.features)
 
-    @property
-    def feature_bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Per-feature low and high bounds in feature order (float32, +-inf where none is
-        declared), or None when the manifest declares no range."""
-        return self._bounds
+    @cached_property
+    def feature_bounds(self) -> FeatureBounds | None:
+        """The declared ranges as arrays for a vectorized check; None when there are none."""
+        if not self.feature_ranges:
+            return None
+        low = np.full(self.n_features, -np.inf, dtype=np.float32)
+        high = np.full(self.n_features, np.inf, dtype=np.float32)
+        for i, name in enumerate(self.features):
+            if name in self.feature_ranges:
+                low[i], high[i] = self.feature_ranges[name]
+        return FeatureBounds(low, high)
 
 
 def load_manifest(model_dir: Path) -> Manifest:

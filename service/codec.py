@@ -129,7 +129,7 @@ def check_ranges(features: np.ndarray, manifest: Manifest, field_template: str) 
     bounds = manifest.feature_bounds
     if bounds is None:
         return
-    low, high = bounds
+    low, high = bounds.low, bounds.high
     outside = (features < low) | (features > high)
     if not outside.any():
         return

@@ -122,5 +122,5 @@ def test_the_demo_manifest_declares_the_generators_ranges_and_they_hold() -> Non
     bounds = manifest.feature_bounds
     assert bounds is not None
     features = generate(200_000, seed=2).features
-    outside = (features < bounds[0]) | (features > bounds[1])
+    outside = (features < bounds.low) | (features > bounds.high)
     assert not outside.any(), [FEATURE_NAMES[c] for c in np.argwhere(outside)[:, 1]]

@@ -22,12 +22,15 @@ def manifest(**fields) -> Manifest:
 
 
 def test_bounds_follow_feature_order_and_are_open_where_undeclared():
-    bounds = manifest(feature_ranges={"c": [0, 1], "a": [-2, 2]}).feature_bounds
+    declared = manifest(feature_ranges={"c": [0, 1], "a": [-2, 2]})
+    bounds = declared.feature_bounds
     assert bounds is not None
-    low, high = bounds
-    np.testing.assert_array_equal(low, [-2, -np.inf, 0])
-    np.testing.assert_array_equal(high, [2, np.inf, 1])
+    np.testing.assert_array_equal(bounds.low, [-2, -np.inf, 0])
+    np.testing.assert_array_equal(bounds.high, [2, np.inf, 1])
     assert manifest().feature_bounds is None
+    # Built bounds do not change what a manifest equals.
+    assert declared == manifest(feature_ranges={"c": [0, 1], "a": [-2, 2]})
+    assert declared != manifest(feature_ranges={"c": [0, 2], "a": [-2, 2]})
 
 
 @pytest.mark.parametrize(
