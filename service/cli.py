@@ -79,16 +79,16 @@ def _read_json(source: str) -> Any:
         raise CommandError(f"cannot read the request: {exc}") from None
 
 
-def _client_target(settings: Settings) -> str:
-    """Where a client on this host reaches the server these settings describe."""
-    host = settings.host
+def _reachable(host: str, port: int) -> str:
+    """`host:port` as a client on this host reaches a server bound there (a wildcard address
+    on loopback; an IPv6 address in brackets)."""
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"{host}:{settings.port}"
+    return f"{host}:{port}"
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:
@@ -96,7 +96,7 @@ def _channel(args: argparse.Namespace) -> grpc.Channel:
     import grpc
 
     settings = _settings()
-    target = args.target or _client_target(settings)
+    target = args.target or _reachable(settings.host, settings.port)
     tls_ca: Path | None = args.tls_ca or settings.tls_ca_file
     if tls_ca is None and settings.tls_cert_file is None:
         channel = grpc.insecure_channel(target)
@@ -218,10 +218,7 @@ def _build_engines(args: argparse.Namespace) -> int:
 def _metrics_url(settings: Settings) -> str:
     if settings.metrics_port is None:
         raise CommandError("the server's metrics are off (RISKSERVE_METRICS_PORT=none): give --url")
-    host = "127.0.0.1" if settings.metrics_host in ("", "0.0.0.0") else settings.metrics_host
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"http://{host}:{settings.metrics_port}/metrics"
+    return f"http://{_reachable(settings.metrics_host, settings.metrics_port)}/metrics"
 
 
 def _stats(args: argparse.Namespace) -> int:
