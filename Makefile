@@ -3,10 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --prefer-binary --disable-pip-version-check -q
-HOST ?= 127.0.0.1
-PORT ?= 50051
 
-.PHONY: serve test lint proto clean loadtest soak
+.PHONY: serve test lint proto config-docs clean loadtest soak
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +21,12 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.serve-installed
 	$(PIP) --no-deps 'tensorrt-stubs==10.13.0.35.1'
 	touch $@
 
+# The server reads its settings itself: RISKSERVE_PORT, RISKSERVE_METRICS_PORT and every other
+# RISKSERVE_* variable (docs/configuration.md). `make serve HOST=... PORT=...` overrides those two;
+# only a value given on the command line counts (many shells export a HOST of their own).
 serve: $(VENV)/.serve-installed
-	RISKSERVE_HOST=$(HOST) RISKSERVE_PORT=$(PORT) $(BIN)/riskserve serve
+	$(BIN)/riskserve serve $(if $(filter command line,$(origin HOST)),--host $(HOST)) \
+		$(if $(filter command line,$(origin PORT)),--port $(PORT))
 
 # Headless Chromium draws the shadow report in one test. Debian's package is installed where
 # apt-get runs as root (CI); anywhere else that test is skipped and says why. A failed install
@@ -54,6 +56,10 @@ include loadtest/loadtest.mk
 
 proto: $(VENV)/.test-installed
 	PYTHON=$(BIN)/python scripts/gen-proto
+
+# docs/configuration.md is generated from the Settings model (a test fails when it is stale).
+config-docs: $(VENV)/.serve-installed
+	$(BIN)/python -m service.config_docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -49,6 +49,7 @@ import numpy as np
 
 __all__ = [
     "FEATURE_NAMES",
+    "FEATURE_RANGES",
     "HISTORY_FIELDS",
     "MCC_BUCKETS",
     "DemoData",
@@ -101,6 +102,43 @@ HISTORY_FIELDS: tuple[str, ...] = (
     "hour_sin",
     "hour_cos",
 )
+
+# The valid range of each feature, declared in the model's manifest (a value outside is refused).
+# Wide enough for any real transaction, not only this process's: flags are 0 or 1, the
+# cyclic hour in [-1, 1], and amounts, ages and distances far beyond anything generated.
+FEATURE_RANGES: dict[str, tuple[float, float]] = {
+    "amount": (0.0, 1e9),
+    "log_amount": (-10.0, 25.0),
+    "mcc_bucket": (0.0, 9.0),
+    "mcc_risk": (0.0, 1.0),
+    "is_online": (0.0, 1.0),
+    "card_present": (0.0, 1.0),
+    "hour_sin": (-1.0, 1.0),
+    "hour_cos": (-1.0, 1.0),
+    "is_weekend": (0.0, 1.0),
+    "account_age_days": (0.0, 36500.0),
+    "credit_limit": (0.0, 1e9),
+    "balance": (-1e9, 1e9),
+    "utilisation": (-100.0, 100.0),
+    "amount_to_limit": (0.0, 1e6),
+    "country_mismatch": (0.0, 1.0),
+    "distance_from_home_km": (0.0, 1e6),
+    "device_age_days": (0.0, 1e5),
+    "is_new_device": (0.0, 1.0),
+    "merchant_is_new": (0.0, 1.0),
+    "hours_since_prev": (0.0, 1e6),
+    "avg_amount_90d": (0.0, 1e9),
+    "txn_count_30d": (0.0, 1e5),
+    "cvv_match": (0.0, 1.0),
+    "avs_match": (0.0, 1.0),
+    "three_ds_authenticated": (0.0, 1.0),
+    "pin_used": (0.0, 1.0),
+    "is_recurring": (0.0, 1.0),
+    "customer_age_years": (0.0, 150.0),
+    "num_cards": (0.0, 1000.0),
+    "chargebacks_past_year": (0.0, 10000.0),
+    "email_age_days": (0.0, 36500.0),
+}
 
 MCC_BUCKETS: tuple[str, ...] = (
     "grocery",

@@ -29,7 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from demo.generator import FEATURE_NAMES, HISTORY_FIELDS, DemoData, generate, model_inputs
+from demo.generator import (
+    FEATURE_NAMES,
+    FEATURE_RANGES,
+    HISTORY_FIELDS,
+    DemoData,
+    generate,
+    model_inputs,
+)
 
 VALIDATION_SEED_OFFSET = 1_000_003
 CALIBRATION_SEED_OFFSET = 2_000_003
@@ -258,6 +265,7 @@ def _manifest(review: float, decline: float, auc: float) -> dict:
         "profiles": {"fp16": [profile, profile], "int8": [profile, profile]},
         "variants": {},
         "calibration": "calibration.npz",
+        "feature_ranges": {name: list(FEATURE_RANGES[name]) for name in FEATURE_NAMES},
     }
 
 

@@ -8,13 +8,17 @@ thresholds, optimization profiles and precision tolerances.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "Explanations",
+    "FeatureBounds",
     "FeatureExplanation",
     "HistoryExplanation",
     "HistorySpec",
@@ -173,6 +177,16 @@ def _reason_codes(manifest: Manifest) -> tuple[ReasonCode, ...]:
     return tuple(codes)
 
 
+@dataclass(frozen=True, eq=False)
+class FeatureBounds:
+    """Per-feature low and high bounds in feature order (float32; -inf and +inf where no range
+    is declared). Compared by identity, so a manifest that has built its bounds still compares
+    equal to one that has not."""
+
+    low: np.ndarray
+    high: np.ndarray
+
+
 class Manifest(_Frozen):
     """Everything the server needs to know about one model version besides its weights."""
 
@@ -208,6 +222,21 @@ class Manifest(_Frozen):
         _reason_codes(self)
         return self
 
+    feature_ranges: dict[str, tuple[float, float]] = Field(
+        default_factory=dict,
+        description="Valid [low, high] per feature name; a value outside is INVALID_ARGUMENT.",
+    )
+
+    @model_validator(mode="after")
+    def _known_ranges(self) -> Manifest:
+        unknown = sorted(set(self.feature_ranges) - set(self.features))
+        if unknown:
+            raise ValueError(f"feature_ranges names unknown features: {', '.join(unknown)}")
+        for name, (low, high) in self.feature_ranges.items():
+            if not low <= high:
+                raise ValueError(f"feature_ranges[{name!r}]: low {low} is above high {high}")
+        return self
+
     @property
     def n_features(self) -> int:
         return len(self.features)
@@ -216,6 +245,18 @@ class Manifest(_Frozen):
     def reason_codes(self) -> tuple[ReasonCode, ...]:
         """The declared reason codes, sorted by code (empty when none are declared)."""
         return _reason_codes(self)
+
+    @cached_property
+    def feature_bounds(self) -> FeatureBounds | None:
+        """The declared ranges as arrays for a vectorized check; None when there are none."""
+        if not self.feature_ranges:
+            return None
+        low = np.full(self.n_features, -np.inf, dtype=np.float32)
+        high = np.full(self.n_features, np.inf, dtype=np.float32)
+        for i, name in enumerate(self.features):
+            if name in self.feature_ranges:
+                low[i], high[i] = self.feature_ranges[name]
+        return FeatureBounds(low, high)
 
 
 def load_manifest(model_dir: Path) -> Manifest:

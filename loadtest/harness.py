@@ -6,12 +6,17 @@
 
 `run` starts the server (when --server is given) with its output in --server-log, waits until
 the standard gRPC health service answers SERVING, runs the command, then stops the server with
-SIGTERM (SIGKILL after --stop-grace-s). With --soak-csv it samples the server's resident memory
-and open file descriptors (the process and its children) every --interval-s seconds and fails
-when either grew, from just after --warmup-s to the end, by more than its bound.
+SIGTERM (SIGKILL after --stop-grace-s). When something already listens on --target it refuses
+to start a server (the load would go to that other process): stop it, choose another port, or
+leave --server empty to load what is running.
+
+With --soak-csv it samples the server's resident memory and open file descriptors (the process
+and its children) every --interval-s seconds and fails when either grew, from just after
+--warmup-s to the end, by more than its bound.
 
 Exit status: the command's, else 1 when a bound was exceeded or the server died during the
-run, 2 when the server never became healthy or the run was too short to judge growth.
+run, 2 when the port was taken, the server never became healthy or the run was too short to
+judge growth.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import contextlib
 import csv
 import shlex
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +52,18 @@ def _channel(target: str, tls_ca: str) -> grpc.Channel:
         return grpc.insecure_channel(target)
     roots = Path(tls_ca).read_bytes() if tls_ca else None
     return grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=roots))
+
+
+def listening(target: str) -> bool:
+    """Whether something accepts TCP connections at `target` (host:port, maybe a grpc://)."""
+    for scheme in ("grpcs://", "grpc://"):
+        target = target.removeprefix(scheme)
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def wait_until_serving(
@@ -143,6 +161,14 @@ def _run(args: argparse.Namespace) -> int:
         print("harness: --soak-csv needs --server (a process to watch)", file=sys.stderr)
         return 2
     server = None
+    if args.server and listening(args.target):
+        print(
+            f"harness: {args.target} is already in use, so the server to load cannot start "
+            "there: stop what listens on it, choose another port (make loadtest "
+            "LOADTEST_PORT=...), or load that server (make loadtest LOADTEST_SERVER=)",
+            file=sys.stderr,
+        )
+        return 2
     if args.server:
         Path(args.server_log).parent.mkdir(parents=True, exist_ok=True)
         with open(args.server_log, "wb") as log:

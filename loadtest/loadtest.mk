@@ -1,25 +1,38 @@
 # Load and soak tests (included from the main Makefile).
 #
-#   make loadtest                                  # local server, 20 users x 10 rps, 60 s
+#   make loadtest                                  # its own server, the default load below
 #   make loadtest LOADTEST_USERS=50 LOADTEST_RPS_PER_USER=20 LOADTEST_TIME=120s
+#   make loadtest LOADTEST_SERVER=                 # the server `make serve` runs (RISKSERVE_PORT)
 #   make loadtest LOADTEST_HOST=riskserve.example.internal:50051 LOADTEST_SERVER=
 #   make soak SOAK_MINUTES=30
 #
-# The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second. With
-# LOADTEST_SERVER empty no server is started and LOADTEST_HOST must already be serving.
+# The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second. By default the
+# load test starts its own server on LOADTEST_PORT (RISKSERVE_PORT, else 50051) and refuses
+# when something already listens there. With LOADTEST_SERVER empty no server is started and
+# LOADTEST_HOST must already be serving.
 # Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples). The CSV is
 # written once a second, so its last second may be missing; the printed summary and the
 # HTML report are the final tally.
 
 LOADTEST_PYTHON ?= .venv/bin/python
 LOADTEST_LOCUST ?= .venv/bin/locust
-LOADTEST_PORT ?= 50051
+LOADTEST_PORT ?= $(or $(RISKSERVE_PORT),50051)
 LOADTEST_HOST ?= 127.0.0.1:$(LOADTEST_PORT)
-LOADTEST_SERVER ?= .venv/bin/riskserve serve --port $(LOADTEST_PORT)
-LOADTEST_USERS ?= 20
+# The load test's own server has no metrics endpoint unless asked (a running server may hold
+# RISKSERVE_METRICS_PORT).
+LOADTEST_METRICS_PORT ?= none
+LOADTEST_SERVER ?= env RISKSERVE_METRICS_PORT=$(LOADTEST_METRICS_PORT) \
+	.venv/bin/riskserve serve --port $(LOADTEST_PORT)
+# The default load: LOADTEST_DEFAULT_USERS x LOADTEST_DEFAULT_RPS_PER_USER requests a second,
+# for LOADTEST_DEFAULT_TIME. It is the load the request-path benchmark (docs/benchmarks.md)
+# shows a small CPU machine holding within the 10 ms budget; change it with that table.
+LOADTEST_DEFAULT_USERS := 10
+LOADTEST_DEFAULT_RPS_PER_USER := 10
+LOADTEST_DEFAULT_TIME := 60s
+LOADTEST_USERS ?= $(LOADTEST_DEFAULT_USERS)
 LOADTEST_SPAWN_RATE ?= $(LOADTEST_USERS)
-LOADTEST_RPS_PER_USER ?= 10
-LOADTEST_TIME ?= 60s
+LOADTEST_RPS_PER_USER ?= $(LOADTEST_DEFAULT_RPS_PER_USER)
+LOADTEST_TIME ?= $(LOADTEST_DEFAULT_TIME)
 LOADTEST_DEADLINE_MS ?= 0
 # A PEM file of root certificates: talk TLS to LOADTEST_HOST (a grpcs:// host uses system roots).
 LOADTEST_TLS_CA ?=

@@ -1,4 +1,10 @@
-"""The ``riskserve`` command: serve, score, info, build-engines, validate, shadow-report."""
+"""The ``riskserve`` command: serve, score, info, stats, build-engines, validate, shadow-report.
+
+Every subcommand reads the same settings as the server (``RISKSERVE_*`` variables and the file
+named by ``RISKSERVE_CONFIG_FILE``): the clients find the server at its host and port, talk TLS
+when the server has a certificate, send its bearer token, and scrape its metrics port. A flag
+overrides a setting for one call. Errors are one line on stderr and a non-zero exit status.
+"""
 
 from __future__ import annotations
 
@@ -6,26 +12,57 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import grpc
+
+    from riskclient import Connection
+    from service.config import Settings
 
 __all__ = ["main"]
 
 Command = Callable[[argparse.Namespace], int]
 
+# Exit statuses: the server answered with an error status; the call could not be made.
+EXIT_STATUS = 1
+EXIT_USAGE = 2
+
+
+class CommandError(Exception):
+    """A failure the command reports as one line, exiting with `status`."""
+
+    def __init__(self, message: str, status: int = EXIT_USAGE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _settings(**overrides: Any) -> Settings:
+    """The process's settings (environment, config file, defaults) with `overrides` on top."""
+    from pydantic import ValidationError
+
+    from service.config import Settings
+
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in error['loc']) or 'settings'}: {error['msg']}"
+            for error in exc.errors()
+        )
+        raise CommandError(f"invalid settings: {problems}") from None
+    except (OSError, ValueError) as exc:  # an unreadable or malformed RISKSERVE_CONFIG_FILE
+        raise CommandError(f"cannot read the settings: {exc}") from None
+
 
 def _serve(args: argparse.Namespace) -> int:
-    from service.config import Settings
     from service.server import serve, serve_processes
 
-    overrides: dict[str, Any] = {
-        k: v
-        for k, v in {"host": args.host, "port": args.port, "models_dir": args.models_dir}.items()
-        if v is not None
-    }
-    settings = Settings(**overrides)
+    settings = _settings(host=args.host, port=args.port, models_dir=args.models_dir)
     if settings.processes > 1:
         return serve_processes(settings)
     asyncio.run(serve(settings))
@@ -33,43 +70,105 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _read_json(source: str) -> Any:
-    if source == "-":
-        return json.load(sys.stdin)
-    if source.lstrip().startswith(("{", "[")):
-        return json.loads(source)
-    return json.loads(Path(source).read_text())
+    try:
+        if source == "-":
+            return json.load(sys.stdin)
+        if source.lstrip().startswith(("{", "[")):
+            return json.loads(source)
+        return json.loads(Path(source).read_text())
+    except (OSError, ValueError) as exc:
+        raise CommandError(f"cannot read the request: {exc}") from None
 
 
-def _score(args: argparse.Namespace) -> int:
+def _reachable(host: str, port: int) -> str:
+    """`host:port` as a client on this host reaches a server bound there (a wildcard address
+    on loopback; an IPv6 address in brackets)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    """A channel to the server: TLS when the server has a certificate or a CA is given."""
+    import grpc
+
+    settings = _settings()
+    target = args.target or _reachable(settings.host, settings.port)
+    tls_ca: Path | None = args.tls_ca or settings.tls_ca_file
+    if tls_ca is None and settings.tls_cert_file is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        try:
+            roots = tls_ca.read_bytes() if tls_ca is not None else None
+        except OSError as exc:
+            raise CommandError(f"cannot read the CA bundle: {exc}") from None
+        channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(roots))
+    args.resolved_target = target
+    return channel
+
+
+def _call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The bearer token to send: --token, else RISKSERVE_AUTH_TOKEN; none when neither."""
+    token = args.token if args.token is not None else _settings().auth_token
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def _connection(args: argparse.Namespace) -> Connection:
+    """How `score` reaches the server: the settings' address, TLS and token, or the flags."""
+    from riskclient import Connection
+
+    settings = _settings()
+    target = args.target or _reachable(settings.host, settings.port)
+    tls_ca: Path | None = args.tls_ca or settings.tls_ca_file
+    token = args.token if args.token is not None else settings.auth_token
+    args.resolved_target = target
+    secure = tls_ca is not None or settings.tls_cert_file is not None
+    return Connection(target, tls=secure, tls_ca_file=tls_ca, auth_token=token or None)
+
+
+def _score_call(connection: Connection, payload: Any, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The transport of `score`, through the project's client: one Score (an object) or
+    ScoreBatch (a list, or an object with `requests`) call; returns the reply as JSON-ready
+    data, and the ScoreResponse of a single request (None for a batch)."""
     from google.protobuf import json_format
 
     from riskclient import RiskClient, ScoreBatchRequest, ScoreRequest, ScoringError
     from riskscoring.v1.risk_scoring_pb2 import EXPLAIN_ALWAYS
 
     try:
-        payload = _read_json(args.request)
-    except (OSError, ValueError) as exc:
-        print(f"riskserve score: cannot read the request: {exc}", file=sys.stderr)
-        return 2
-    scored = None
-    with RiskClient(args.target, timeout_s=args.timeout_s) as client:
+        client = RiskClient(connection=connection, timeout_s=args.timeout_s)
+    except OSError as exc:
+        raise CommandError(f"cannot read the TLS files: {exc}") from None
+    with client:
         try:
             if isinstance(payload, list) or "requests" in payload:
                 body = {"requests": payload} if isinstance(payload, list) else payload
-                request = json_format.ParseDict(body, ScoreBatchRequest())
-                batch = client.score_batch(
-                    request.requests, model=request.model, model_version=request.model_version
+                batch = json_format.ParseDict(body, ScoreBatchRequest())
+                replies = client.score_batch(
+                    batch.requests, model=batch.model, model_version=batch.model_version
                 )
-                reply: Any = {"responses": [json_format.MessageToDict(r) for r in batch]}
-            else:
-                request = json_format.ParseDict(payload, ScoreRequest())
-                if args.explain:
-                    request.explain_top_k, request.explain_when = args.top_k, EXPLAIN_ALWAYS
-                scored = client.score(request)
-                reply = json_format.MessageToDict(scored)
+                return {"responses": [json_format.MessageToDict(r) for r in replies]}, None
+            request = json_format.ParseDict(payload, ScoreRequest())
+            if args.explain:
+                request.explain_top_k, request.explain_when = args.top_k, EXPLAIN_ALWAYS
+            reply = client.score(request)
         except ScoringError as exc:
-            print(json.dumps({"code": exc.code.name, "message": exc.message}), file=sys.stderr)
-            return 1
+            details = exc.message
+            if exc.code.name == "UNAVAILABLE":
+                details = f"cannot reach {args.resolved_target}: {details}"
+            raise CommandError(f"{exc.code.name}: {details}", EXIT_STATUS) from None
+    return json_format.MessageToDict(reply), reply
+
+
+def _score(args: argparse.Namespace) -> int:
+    payload = _read_json(args.request)
+    if not isinstance(payload, dict | list):
+        raise CommandError("the request must be a JSON object or a list of them")
+    reply, scored = _score_call(_connection(args), payload, args)
     print(json.dumps(reply, indent=2))
     if scored is not None:  # reasons readable beside the JSON, which keeps stdout
         for reason in scored.reasons:
@@ -82,15 +181,18 @@ def _score(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    import grpc
     from google.protobuf import json_format
 
     from riskscoring.v1 import risk_scoring_pb2 as pb
     from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    with _channel(args) as channel:
         stub = pb_grpc.RiskScoringStub(channel)
-        info = stub.GetModelInfo(pb.ModelInfoRequest(model=args.model), timeout=args.timeout_s)
+        info = stub.GetModelInfo(
+            pb.ModelInfoRequest(model=args.model),
+            timeout=args.timeout_s,
+            metadata=_call_metadata(args),
+        )
     print(json.dumps(json_format.MessageToDict(info), indent=2))
     return 0
 
@@ -146,10 +248,21 @@ def _build_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_url(settings: Settings) -> str:
+    if settings.metrics_port is None:
+        raise CommandError("the server's metrics are off (RISKSERVE_METRICS_PORT=none): give --url")
+    return f"http://{_reachable(settings.metrics_host, settings.metrics_port)}/metrics"
+
+
 def _stats(args: argparse.Namespace) -> int:
     from service.telemetry import fetch_stats, format_stats
 
-    print(format_stats(fetch_stats(args.url, window_s=args.window_s)))
+    url = args.url or _metrics_url(_settings())
+    try:
+        snapshot = fetch_stats(url, window_s=args.window_s)
+    except OSError as exc:
+        raise CommandError(f"cannot scrape {url}: {getattr(exc, 'reason', exc)}") from None
+    print(format_stats(snapshot))
     return 0
 
 
@@ -189,7 +302,9 @@ def _parser() -> argparse.ArgumentParser:
     build.set_defaults(run=_build_engines, precision=None)
 
     stats = sub.add_parser("stats", help="live p50/p99 per stage from a server's /metrics")
-    stats.add_argument("--url", default="http://127.0.0.1:9464/metrics")
+    stats.add_argument(
+        "--url", help="metrics page (default: RISKSERVE_METRICS_HOST and RISKSERVE_METRICS_PORT)"
+    )
     stats.add_argument("--window-s", type=float, default=1.0, help="time between two scrapes")
     stats.set_defaults(run=_stats)
 
@@ -204,7 +319,16 @@ def _parser() -> argparse.ArgumentParser:
         ("info", _info, "print a model's schema, thresholds and engines"),
     ):
         client = sub.add_parser(name, help=text)
-        client.add_argument("--target", default="127.0.0.1:50051")
+        client.add_argument(
+            "--target", help="host:port of the server (default: RISKSERVE_HOST and RISKSERVE_PORT)"
+        )
+        client.add_argument(
+            "--tls-ca",
+            type=Path,
+            help="PEM roots to verify the server with; talk TLS (RISKSERVE_TLS_CA_FILE; TLS is "
+            "also used when RISKSERVE_TLS_CERT_FILE is set)",
+        )
+        client.add_argument("--token", help="bearer token to send (RISKSERVE_AUTH_TOKEN)")
         client.add_argument("--timeout-s", type=float, default=5.0)
         if name == "score":
             client.add_argument("request", help="JSON text, a file, or - for stdin")
@@ -218,10 +342,61 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_CLIENTS = ("score", "info")
+# How grpc's add_insecure_port and add_secure_port report an address they cannot bind.
+_BIND_FAILED = "Failed to bind to address"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     run: Command = args.run
-    return run(args)
+    if args.command in _CLIENTS:
+        # gRPC's core would log a failed TLS handshake on stderr besides the status the
+        # command reports; it reads GRPC_VERBOSITY when grpc is first imported.
+        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    try:
+        return run(args)
+    except CommandError as exc:
+        return _fail(args, str(exc), exc.status)
+    except KeyboardInterrupt:
+        return _fail(args, "interrupted", 130)
+    except Exception as exc:  # a command fails with one line, never a traceback
+        message, status = _describe(exc, args)
+        logging.getLogger(__name__).debug("riskserve %s failed", args.command, exc_info=True)
+        return _fail(args, message, status)
+
+
+def _fail(args: argparse.Namespace, message: str, status: int) -> int:
+    line = " ".join(message.split())  # one line, whatever the message held
+    print(f"riskserve {args.command}: {line}", file=sys.stderr)
+    return status
+
+
+def _describe(exc: Exception, args: argparse.Namespace) -> tuple[str, int]:
+    """One line for what went wrong, and the exit status."""
+    import grpc
+    from google.protobuf import json_format
+
+    if isinstance(exc, grpc.RpcError) and isinstance(exc, grpc.Call):
+        code = exc.code()
+        details = exc.details() or ""
+        if code == grpc.StatusCode.UNAVAILABLE:
+            target = getattr(args, "resolved_target", "the server")
+            return f"UNAVAILABLE: cannot reach {target}: {details}", EXIT_STATUS
+        return f"{code.name}: {details}", EXIT_STATUS
+    if isinstance(exc, json_format.ParseError):
+        return f"invalid request: {exc}", EXIT_USAGE
+    if isinstance(exc, RuntimeError) and str(exc).startswith(_BIND_FAILED):
+        address = str(exc).removeprefix(_BIND_FAILED).split(";")[0].strip()
+        return (
+            f"cannot listen on {address}: the port is in use or the address is not this host's; "
+            "choose another port (RISKSERVE_PORT or --port)",
+            EXIT_USAGE,
+        )
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else ""), EXIT_USAGE
+    text = str(exc) or type(exc).__name__
+    return f"{text} (--log-level DEBUG shows where)", EXIT_USAGE

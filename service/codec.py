@@ -22,6 +22,9 @@ from service.errors import InvalidRequest
 __all__ = [
     "DECISIONS",
     "RowBatch",
+    "check_ranges",
+    "check_requested_outputs",
+    "checked_model_name",
     "decode_infer_request",
     "decode_score_batch",
     "decode_score_request",
@@ -116,12 +119,54 @@ def _stack(vectors: list[np.ndarray], histories: list[np.ndarray], manifest: Man
     return RowBatch(features, history, mask)
 
 
+def check_ranges(features: np.ndarray, manifest: Manifest, field_template: str) -> None:
+    """Refuse any value outside the manifest's declared range for its feature.
+
+    `features` is (n, F) in manifest order; `field_template` names a bad value's field from
+    its `{row}` and `{feature}` name (``"requests[{row}].features[{feature!r}]"``). NaN
+    passes here: the NaN policy has dealt with it already.
+    """
+    bounds = manifest.feature_bounds
+    if bounds is None:
+        return
+    low, high = bounds.low, bounds.high
+    outside = (features < low) | (features > high)
+    if not outside.any():
+        return
+    row, column = (int(i) for i in np.argwhere(outside)[0])
+    name = manifest.features[column]
+    raise InvalidRequest(
+        field_template.format(row=row, feature=name),
+        f"{float(features[row, column]):g} is outside the model's range "
+        f"[{float(low[column]):g}, {float(high[column]):g}]",
+    )
+
+
+def check_requested_outputs(request: oip.ModelInferRequest, manifest: Manifest) -> None:
+    """An OIP request may ask only for outputs the model has (as Triton refuses others)."""
+    for i, output in enumerate(request.outputs):
+        if output.name != manifest.output:
+            raise InvalidRequest(
+                f"outputs[{i}].name",
+                f"{output.name!r} is not an output of this model (it has {manifest.output!r})",
+            )
+
+
+def checked_model_name(name: str, field: str = "model_name") -> str:
+    """An OIP request's model name, which must not be empty (OIP has no default model)."""
+    if not name:
+        raise InvalidRequest(field, "is empty")
+    return name
+
+
 def decode_score_request(
     request: pb.ScoreRequest, manifest: Manifest, prefix: str = ""
 ) -> RowBatch:
     vector = _feature_vector(request.features, manifest, prefix)
     history = _history_matrix(request.history, manifest, prefix)
-    return _stack([vector], [history], manifest)
+    rows = _stack([vector], [history], manifest)
+    check_ranges(rows.features, manifest, prefix + "features[{feature!r}]")
+    return rows
 
 
 def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> RowBatch:
@@ -137,7 +182,9 @@ def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> Row
             raise InvalidRequest(f"{prefix}model", "must be empty or equal the batch's model")
         vectors.append(_feature_vector(item.features, manifest, prefix))
         histories.append(_history_matrix(item.history, manifest, prefix))
-    return _stack(vectors, histories, manifest)
+    rows = _stack(vectors, histories, manifest)
+    check_ranges(rows.features, manifest, "requests[{row}].features[{feature!r}]")
+    return rows
 
 
 _OIP_DTYPES = {"FP32": np.float32}
@@ -177,6 +224,7 @@ def _tensor(
 
 def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> RowBatch:
     """OIP tensors named as the model's ONNX inputs, checked against the manifest."""
+    check_requested_outputs(request, manifest)
     spec = manifest.history
     expected = {manifest.features_input: 2}
     if spec is not None:
@@ -212,6 +260,7 @@ def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> 
     # Every array here is C-contiguous already: a fresh buffer reshaped whole (`_tensor`), or
     # what `_finite` made of one.
     features = _finite(features, manifest.features_input, manifest)
+    check_ranges(features, manifest, _escaped(manifest.features_input) + "[{row}][{feature!r}]")
     if spec is None:
         return RowBatch(features, None, None)
     history, mask = arrays[spec.input], arrays[spec.mask_input]
@@ -235,6 +284,10 @@ def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> 
     if np.count_nonzero(mask) != np.count_nonzero(mask == 1.0):
         raise InvalidRequest(spec.mask_input, "values must be 0 or 1")
     return RowBatch(features, history, mask)
+
+
+def _escaped(name: str) -> str:
+    return name.replace("{", "{{").replace("}", "}}")
 
 
 def encode_infer_response(

@@ -85,6 +85,11 @@ class Settings(BaseSettings):
     tls_cert_file: Path | None = Field(None, description="PEM certificate chain for TLS.")
     tls_key_file: Path | None = Field(None, description="PEM private key for TLS.")
     tls_client_ca_file: Path | None = Field(None, description="CA bundle; set to require mTLS.")
+    tls_ca_file: Path | None = Field(
+        None,
+        description="CA bundle the riskserve CLI verifies the server's certificate with "
+        "(the CLI talks TLS when this or tls_cert_file is set); unset: the system's roots.",
+    )
     tls_reload_interval_s: float = Field(
         1.0, ge=0, description="Least time between checks of the TLS files for a new mtime."
     )
@@ -161,7 +166,17 @@ class Settings(BaseSettings):
         False, description="Export every span (the Collector does tail sampling)."
     )
     trace_file: Path | None = Field(
-        Path("traces.jsonl"), description="JSON-lines trace file when no OTLP exporter is set."
+        Path("traces.jsonl"),
+        description="JSON-lines file of kept traces when OTEL_TRACES_EXPORTER is unset, relative "
+        "to the working directory; none: no file.",
+    )
+    trace_file_max_bytes: int = Field(
+        16 * 1024 * 1024, ge=1, description="The trace file is rotated when it reaches this size."
+    )
+    trace_file_backup_count: int = Field(
+        3,
+        ge=1,
+        description="Rotated trace files kept (traces.jsonl.1, ...); older ones are deleted.",
     )
     tracing: bool = Field(True, description="Trace RPCs and batches (tail-sampled export).")
     metrics_host: str = Field("127.0.0.1", description="Address the Prometheus endpoint binds.")

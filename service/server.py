@@ -106,6 +106,8 @@ def telemetry_config(settings: Settings) -> TelemetryConfig:
         tracing=settings.tracing,
         trace_export_all=settings.trace_export_all,
         trace_file=settings.trace_file,
+        trace_file_max_bytes=settings.trace_file_max_bytes,
+        trace_file_backup_count=settings.trace_file_backup_count,
         metrics_host=settings.metrics_host,
         metrics_port=settings.metrics_port,
         stats_interval_s=settings.stats_interval_s or None,

@@ -47,7 +47,8 @@ _CALL: contextvars.ContextVar[_CallLabels | None] = contextvars.ContextVar(
 
 
 def note_model(name: str, version: str = "") -> None:
-    """Label the current call with the model it asked for (before the lookup can fail)."""
+    """Note the model the current call asked for (before the lookup can fail); unless the
+    call is scored, its metric labels are checked against what is loaded (`_labels`)."""
     call = _CALL.get()
     if call is not None:
         call.model, call.version = name, version
@@ -210,17 +211,27 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                 if tracing.end_request(trace, code, details, _after_reply) != DECISION_DROPPED:
                     kept_trace = trace.context
             if telemetry is not None and call.model:
+                model, version = _labels(telemetry, call)
                 telemetry.metrics.observe_request(
-                    call.model,
-                    call.version,
+                    model,
+                    version,
                     call.engine,
                     name,
                     time.perf_counter() - started,
                     kept_trace,
+                    method,
                 )
         raise AssertionError("context.abort returned")  # pragma: no cover
 
     return wrapper
+
+
+def _labels(telemetry: Telemetry, call: _CallLabels) -> tuple[str, str]:
+    """A scored call's model and version label it as they are; any other call's only where
+    they name a loaded version (a caller must not create metric series at will)."""
+    if call.engine:
+        return call.model, call.version
+    return telemetry.metrics.loaded_labels(call.model, call.version)
 
 
 def _after_reply(callback: Callable[..., object], *args: Any) -> None:

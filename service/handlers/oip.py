@@ -17,7 +17,7 @@ import grpc
 from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
-from service.codec import decode_infer_request, encode_infer_response
+from service.codec import checked_model_name, decode_infer_request, encode_infer_response
 from service.errors import InvalidRequest
 from service.handlers.boundary import (
     Malformed,
@@ -107,7 +107,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(
         self, request: oip.ModelMetadataRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelMetadataResponse:
-        model = self._router.model(request.name, request.version)
+        model = self._router.model(checked_model_name(request.name, "name"), request.version)
         meta = oip.ModelMetadataResponse.TensorMetadata
         return oip.ModelMetadataResponse(
             name=model.name,
@@ -121,7 +121,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelConfig(
         self, request: oip.ModelConfigRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelConfigResponse:
-        model = self._router.model(request.name, request.version)
+        model = self._router.model(checked_model_name(request.name, "name"), request.version)
         config = mc.ModelConfig(
             name=model.name,
             platform=PLATFORM,
@@ -161,7 +161,9 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
         started = time.perf_counter()
         note_model(request.model_name, request.model_version)
         entity_id = _entity_id(request)
-        model, route = self._router.route_one(request.model_name, request.model_version, entity_id)
+        model, route = self._router.route_one(
+            checked_model_name(request.model_name), request.model_version, entity_id
+        )
         decode_started_ns = time.monotonic_ns()
         rows = decode_infer_request(request, model.manifest)
         note_validated(decode_started_ns)

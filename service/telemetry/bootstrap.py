@@ -94,7 +94,9 @@ def setup_telemetry(
         exporters = (
             list(span_exporters)
             if span_exporters is not None
-            else span_exporters_from_environment(config.trace_file)
+            else span_exporters_from_environment(
+                config.trace_file, config.trace_file_max_bytes, config.trace_file_backup_count
+            )
         )
         tracing = Tracing(
             TailSamplingPolicy(
@@ -110,7 +112,16 @@ def setup_telemetry(
 
     server, port = None, None
     if config.metrics_port is not None:
-        server, _ = start_http_server(config.metrics_port, config.metrics_host, registry=registry)
+        try:
+            server, _ = start_http_server(
+                config.metrics_port, config.metrics_host, registry=registry
+            )
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: "
+                f"{exc.strerror}; choose another metrics_port (RISKSERVE_METRICS_PORT), or none",
+            ) from exc
         port = server.server_port
         _logger.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.telemetry.jsonl_exporter import DEFAULT_BACKUP_COUNT, DEFAULT_MAX_BYTES
+
 
 @dataclass(frozen=True)
 class TelemetryConfig:
@@ -27,6 +29,9 @@ class TelemetryConfig:
     trace_export_all: bool = False
     # JSON-lines span file used when OTEL_TRACES_EXPORTER is unset (None: no default exporter).
     trace_file: Path | None = Path("traces.jsonl")
+    # The file rotates at this size; this many older files are kept (traces.jsonl.1, ...).
+    trace_file_max_bytes: int = DEFAULT_MAX_BYTES
+    trace_file_backup_count: int = DEFAULT_BACKUP_COUNT
     metrics_host: str = "127.0.0.1"
     # Prometheus /metrics port; 0 picks a free port (see Telemetry.metrics_port); None disables.
     metrics_port: int | None = 9464
@@ -44,6 +49,8 @@ class TelemetryConfig:
             raise ValueError("trace_sample_ratio must lie in [0, 1]")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError("metrics_port must lie in [0, 65535]")
+        if self.trace_file_max_bytes < 1 or self.trace_file_backup_count < 1:
+            raise ValueError("trace_file_max_bytes and trace_file_backup_count must be >= 1")
         if self.stats_interval_s is not None and self.stats_interval_s <= 0:
             raise ValueError("stats_interval_s must be positive")
         if self.stats_window_size < 1:

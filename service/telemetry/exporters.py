@@ -15,13 +15,24 @@ from opentelemetry.environment_variables import OTEL_TRACES_EXPORTER
 from opentelemetry.sdk._configuration import _get_exporter_names, _import_exporters
 from opentelemetry.sdk.trace.export import SpanExporter
 
-from service.telemetry.jsonl_exporter import JsonLinesSpanExporter
+from service.telemetry.jsonl_exporter import (
+    DEFAULT_BACKUP_COUNT,
+    DEFAULT_MAX_BYTES,
+    JsonLinesSpanExporter,
+)
 
 
-def span_exporters_from_environment(trace_file: Path | None) -> list[SpanExporter]:
-    """The exporters OTEL_TRACES_EXPORTER asks for; unset: the JSON-lines file, if any."""
+def span_exporters_from_environment(
+    trace_file: Path | None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    backup_count: int = DEFAULT_BACKUP_COUNT,
+) -> list[SpanExporter]:
+    """The exporters OTEL_TRACES_EXPORTER asks for; unset: the JSON-lines file, if any,
+    rotated at `max_bytes` with `backup_count` older files kept."""
     if OTEL_TRACES_EXPORTER not in os.environ:
-        return [] if trace_file is None else [JsonLinesSpanExporter(trace_file)]
+        if trace_file is None:
+            return []
+        return [JsonLinesSpanExporter(trace_file, max_bytes, backup_count)]
     names = _get_exporter_names("traces")
     trace_exporters, _, _ = _import_exporters(names, [], [])
     return [exporter_class() for exporter_class in trace_exporters.values()]

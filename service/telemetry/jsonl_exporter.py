@@ -1,48 +1,88 @@
-"""A span exporter writing one JSON object per line, readable without any collector."""
+"""A span exporter writing one JSON object per line, readable without any collector.
+
+The file is bounded: it is rotated by size the way the standard library's
+`logging.handlers.RotatingFileHandler` does (``traces.jsonl`` becomes ``traces.jsonl.1``, the
+oldest backup is deleted), so the spans on disk never exceed ``max_bytes * (backup_count + 1)``.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from collections.abc import Mapping, Sequence
+from logging.handlers import RotatingFileHandler
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
+# Defaults of the file's bounds: 16 MiB a file, 3 backups, 64 MiB of spans at most.
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+DEFAULT_BACKUP_COUNT = 3
+
 
 class JsonLinesSpanExporter(SpanExporter):
-    """Appends each exported span to `path` as one JSON line (see docs/telemetry.md)."""
+    """Appends each exported span to `path` as one JSON line (see docs/telemetry.md); the file
+    rotates at `max_bytes`, keeping `backup_count` older files beside it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backup_count: int = DEFAULT_BACKUP_COUNT,
+    ) -> None:
+        if max_bytes < 1 or backup_count < 1:
+            # RotatingFileHandler never rotates with no backups: the file would grow unbounded.
+            raise ValueError("max_bytes and backup_count must be at least 1")
         self._path = path
+        self._max_bytes = max_bytes
+        self._backup_count = backup_count
         self._lock = threading.Lock()
-        self._file: IO[str] | None = None
+        self._handler: RotatingFileHandler | None = None
         self._closed = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        lines = "".join(json.dumps(span_to_record(span), default=str) + "\n" for span in spans)
+        lines = [json.dumps(span_to_record(span), default=str) for span in spans]
         with self._lock:
             if self._closed:
                 return SpanExportResult.FAILURE
             try:
-                if self._file is None:
-                    self._path.parent.mkdir(parents=True, exist_ok=True)
-                    self._file = self._path.open("a", encoding="utf-8")
-                self._file.write(lines)
-                self._file.flush()
+                handler = self._open()
+                for line in lines:
+                    # The handler's own size check and rotation, line by line; its `emit`
+                    # would also flush every line, where one flush per batch will do.
+                    record = logging.LogRecord(__name__, logging.INFO, "", 0, line, None, None)
+                    if handler.shouldRollover(record):
+                        handler.doRollover()
+                    if handler.stream is None:
+                        handler.stream = handler._open()
+                    handler.stream.write(line + "\n")
+                handler.flush()
             except OSError:
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 
+    def _open(self) -> RotatingFileHandler:
+        if self._handler is None:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._handler = RotatingFileHandler(
+                self._path,
+                maxBytes=self._max_bytes,
+                backupCount=self._backup_count,
+                encoding="utf-8",
+                delay=True,
+            )
+        return self._handler
+
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            if self._handler is not None:
+                self._handler.close()
+                self._handler = None
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return True

@@ -30,6 +30,19 @@ QUEUE_WAIT_DURATION = "riskserve.queue.wait.duration"
 ENGINE_DURATION = "riskserve.engine.duration"
 BATCH_SIZE = "riskserve.batch.size"
 
+# The label of a model or version that is not loaded (see Metrics.loaded_labels).
+UNKNOWN_LABEL = "unknown"
+# Every reason a request is shed and (the part before ':') an engine falls back: each loaded
+# model shows all of them from the start, at 0, so a rate over them needs no special case.
+SHED_REASONS = ("queue_full", "deadline")
+FALLBACK_REASONS = (
+    "shape_mismatch",
+    "engine_error",
+    "engine_hung",
+    "non_finite_output",
+    "engines_unavailable",
+)
+
 # Queue depth per (model, version).
 QueueDepthCallback = Callable[[], Mapping[tuple[str, str], int]]
 # Traces decided so far, by reason kept or 'dropped'.
@@ -77,21 +90,33 @@ class Metrics:
             BATCH_SIZE, unit="{request}", description="Requests per executed batch."
         )
         self._counts_lock = threading.Lock()
-        self._request_counts: dict[tuple[str, str, str, str], int] = {}
+        self._request_counts: dict[tuple[str, str, str, str, str], int] = {}
+        self._fallback_counts: dict[tuple[str, str], int] = {}
+        self._shed_counts: dict[tuple[str, str], int] = {}
+        self._shadow_drop_counts: dict[str, int] = {}
         meter.create_observable_counter(
             "riskserve.requests",
             callbacks=[self._observe_requests],
             unit="{request}",
-            description="Requests by gRPC status.",
+            description="Requests by RPC method and gRPC status.",
         )
-        self._fallbacks = meter.create_counter(
-            "riskserve.fallbacks", unit="{request}", description="Engine fallbacks by reason."
+        meter.create_observable_counter(
+            "riskserve.fallbacks",
+            callbacks=[self._observe_fallbacks],
+            unit="{request}",
+            description="Engine fallbacks by reason.",
         )
-        self._shed = meter.create_counter(
-            "riskserve.shed", unit="{request}", description="Requests refused, by reason."
+        meter.create_observable_counter(
+            "riskserve.shed",
+            callbacks=[self._observe_shed],
+            unit="{request}",
+            description="Requests refused, by reason.",
         )
-        self._shadow_drops = meter.create_counter(
-            "riskserve.shadow.drops", unit="{request}", description="Shadow copies dropped."
+        meter.create_observable_counter(
+            "riskserve.shadow.drops",
+            callbacks=[self._observe_shadow_drops],
+            unit="{request}",
+            description="Shadow copies dropped.",
         )
         self._model_reloads = meter.create_counter(
             "riskserve.model.reloads",
@@ -122,17 +147,19 @@ class Metrics:
         status: str,
         duration_s: float,
         kept_trace: trace.SpanContext | None = None,
+        method: str = "",
     ) -> None:
-        """One finished request; `status` is the gRPC status name ('OK', 'NOT_FOUND', ...).
+        """One finished request; `status` is the gRPC status name ('OK', 'NOT_FOUND', ...),
+        `method` the RPC's ('Score', 'ModelInfer', ...).
 
         `kept_trace` is the request's span where its trace was exported (the exemplar).
         """
         context = _NO_CONTEXT
         if kept_trace is not None:
             context = trace.set_span_in_context(trace.NonRecordingSpan(kept_trace))
-        attributes = {"model": model, "version": version, "engine": engine}
+        attributes = {"method": method, "model": model, "version": version, "engine": engine}
         self._request_s.record(duration_s, attributes, context)
-        key = (model, version, engine, status)
+        key = (method, model, version, engine, status)
         with self._counts_lock:
             self._request_counts[key] = self._request_counts.get(key, 0) + 1
         self._live.windows["end_to_end"].observe(duration_s)
@@ -154,22 +181,44 @@ class Metrics:
         self._live.windows["engine"].observe(engine_s)
 
     def count_fallback(self, model: str, reason: str) -> None:
-        self._fallbacks.add(1, {"model": model, "reason": reason})
+        """`reason`: one of FALLBACK_REASONS."""
+        with self._counts_lock:
+            key = (model, reason)
+            self._fallback_counts[key] = self._fallback_counts.get(key, 0) + 1
 
     def count_shed(self, model: str, reason: str) -> None:
-        """`reason`: 'queue_full' or 'deadline'."""
-        self._shed.add(1, {"model": model, "reason": reason})
+        """`reason`: one of SHED_REASONS."""
+        with self._counts_lock:
+            key = (model, reason)
+            self._shed_counts[key] = self._shed_counts.get(key, 0) + 1
 
     def count_shadow_drop(self, model: str, copies: int = 1) -> None:
         """`copies` shadow copies of `model`'s requests were dropped."""
-        self._shadow_drops.add(copies, {"model": model})
+        with self._counts_lock:
+            self._shadow_drop_counts[model] = self._shadow_drop_counts.get(model, 0) + copies
+
+    def loaded_labels(self, model: str, version: str) -> tuple[str, str]:
+        """`model` and `version` as metric labels: kept where loaded, else UNKNOWN_LABEL.
+
+        A caller can name any model; labelling its requests with that name would let it make
+        series without bound. The loaded versions are the keys of the queue-depth callback.
+        """
+        with self._callback_lock:
+            callback = self._depth_callback
+        loaded = callback() if callback is not None else {}
+        if (model, version) in loaded:
+            return model, version
+        if any(name == model for name, _ in loaded):
+            return model, "" if not version else UNKNOWN_LABEL
+        return UNKNOWN_LABEL, "" if not version else UNKNOWN_LABEL
 
     def count_model_reload(self, model: str, outcome: str) -> None:
         """`outcome`: 'loaded' (a new version), 'replaced' (changed files) or 'refused'."""
         self._model_reloads.add(1, {"model": model, "outcome": outcome})
 
     def set_queue_depth_callback(self, callback: QueueDepthCallback | None) -> None:
-        """`callback()` -> {(model, version): depth}, called at each scrape."""
+        """`callback()` -> {(model, version): depth} of every loaded version, called at each
+        scrape and to check a failed request's labels (`loaded_labels`)."""
         with self._callback_lock:
             self._depth_callback = callback
 
@@ -182,9 +231,35 @@ class Metrics:
         with self._counts_lock:
             counts = dict(self._request_counts)
         return [
-            Observation(n, {"model": m, "version": v, "engine": e, "status": s})
-            for (m, v, e, s), n in counts.items()
+            Observation(n, {"method": k, "model": m, "version": v, "engine": e, "status": s})
+            for (k, m, v, e, s), n in counts.items()
         ]
+
+    def _loaded_models(self) -> set[str]:
+        with self._callback_lock:
+            callback = self._depth_callback
+        return {model for model, _ in callback()} if callback is not None else set()
+
+    def _by_reason(
+        self, counts: dict[tuple[str, str], int], reasons: tuple[str, ...]
+    ) -> list[Observation]:
+        """Counts by (model, reason), with every known reason of every loaded model at 0."""
+        loaded = self._loaded_models()
+        with self._counts_lock:
+            totals = dict.fromkeys(((m, r) for m in loaded for r in reasons), 0) | counts
+        return [Observation(n, {"model": m, "reason": r}) for (m, r), n in totals.items()]
+
+    def _observe_fallbacks(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._by_reason(self._fallback_counts, FALLBACK_REASONS)
+
+    def _observe_shed(self, options: CallbackOptions) -> Iterable[Observation]:
+        return self._by_reason(self._shed_counts, SHED_REASONS)
+
+    def _observe_shadow_drops(self, options: CallbackOptions) -> Iterable[Observation]:
+        loaded = self._loaded_models()
+        with self._counts_lock:
+            totals = dict.fromkeys(loaded, 0) | self._shadow_drop_counts
+        return [Observation(n, {"model": m}) for m, n in totals.items()]
 
     def _observe_decisions(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._callback_lock:

@@ -109,3 +109,18 @@ def test_model_inputs_names_and_shapes(data: DemoData) -> None:
     n, t, h = inputs["history"].shape
     assert (n, h) == (10, len(HISTORY_FIELDS)) and inputs["history_mask"].shape == (n, t)
     assert inputs["features"].shape == (10, len(FEATURE_NAMES))
+
+
+def test_the_demo_manifest_declares_the_generators_ranges_and_they_hold() -> None:
+    from liveserver import REPO
+
+    from demo.generator import FEATURE_RANGES
+    from engines.manifest import load_manifest
+
+    manifest = load_manifest(REPO / "models" / "fraud-demo" / "1")
+    assert {k: tuple(v) for k, v in manifest.feature_ranges.items()} == FEATURE_RANGES
+    bounds = manifest.feature_bounds
+    assert bounds is not None
+    features = generate(200_000, seed=2).features
+    outside = (features < bounds.low) | (features > bounds.high)
+    assert not outside.any(), [FEATURE_NAMES[c] for c in np.argwhere(outside)[:, 1]]

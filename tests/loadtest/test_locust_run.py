@@ -157,3 +157,35 @@ def test_locust_mix_against_riskserve(tmp_path: Path, mode: tuple[str, ...]) -> 
     with _server(command, port, tmp_path / "server.log", env=env) as target:
         status, rows = _locust(target, tmp_path / "run", run_time_s=10, extra=mode)
     _assert_clean_mix(status, rows)
+
+
+def test_harness_refuses_a_port_already_in_use(tmp_path: Path) -> None:
+    """With a server already on the port, the harness starts none and says why, at once."""
+    marker = tmp_path / "started"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        target = f"127.0.0.1:{taken.getsockname()[1]}"
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(REPO / "loadtest" / "harness.py"),
+                "run",
+                "--target",
+                target,
+                "--server",
+                f"{sys.executable} -c \"open('{marker}', 'w')\"",
+                "--",
+                sys.executable,
+                "-c",
+                "pass",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 2
+    assert f"{target} is already in use" in done.stderr
+    assert "LOADTEST_SERVER=" in done.stderr
+    assert not marker.exists()

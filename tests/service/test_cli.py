@@ -1,15 +1,27 @@
-"""`riskserve score` and `riskserve info` against a live server: JSON in, JSON out."""
+"""The `riskserve` client commands against a live server: JSON in, JSON out, the server's
+own RISKSERVE_* settings to find it, and every error as one line on stderr."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+
+import pytest
 
 from demo.generator import FEATURE_NAMES, HISTORY_FIELDS, generate
 
 
-def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, stdin: str | None = None, **settings: str
+) -> subprocess.CompletedProcess[str]:
+    """`python -m service ARGS` with only the given RISKSERVE_* settings (`port="5"` sets
+    RISKSERVE_PORT=5), none inherited."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RISKSERVE_")}
+    env |= {f"RISKSERVE_{name.upper()}": value for name, value in settings.items()}
     return subprocess.run(
         [sys.executable, "-m", "service", *args],
         input=stdin,
@@ -17,7 +29,25 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
         text=True,
         timeout=60,
         check=False,
+        env=env,
     )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str], command: str) -> str:
+    """The single stderr line of a failed command (no traceback), without its prefix."""
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"riskserve {command}: "), lines[0]
+    return lines[0].removeprefix(f"riskserve {command}: ")
+
+
+@pytest.fixture()
+def closed_port() -> Iterator[int]:
+    """A loopback port bound by nobody who listens: connecting to it is refused."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 def test_score_one_request_from_stdin(live):
@@ -52,8 +82,8 @@ def test_score_batch_and_error_status(live):
     assert [r["requestId"] for r in json.loads(done.stdout)["responses"]] == ["b0", "b1", "b2"]
     bad = run_cli("score", "--target", live.target, json.dumps({"features": {"nope": 1}}))
     assert bad.returncode == 1
-    error = json.loads(bad.stderr.strip().splitlines()[-1])
-    assert error["code"] == "INVALID_ARGUMENT" and "nope" in error["message"]
+    error = one_line_error(bad, "score")
+    assert error.startswith("INVALID_ARGUMENT: ") and "features['nope']" in error
 
 
 def test_info_prints_schema(live):
@@ -77,3 +107,117 @@ def test_readme_quick_start_request(live, tmp_path):
     done = run_cli("score", "--target", live.target, str(path))
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["requestId"] == "demo-0"
+
+
+def test_clients_find_the_server_from_its_settings(live):
+    """No --target: `info` and `score` read RISKSERVE_HOST and RISKSERVE_PORT, as the server."""
+    done = run_cli("info", "--model", "fraud-demo", port=str(live.port))
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["historyFields"] == list(HISTORY_FIELDS)
+    # The server's wildcard bind address is reached on loopback.
+    done = run_cli("info", "--model", "fraud-demo", port=str(live.port), host="0.0.0.0",
+                   allow_insecure="true")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_refused_connection_is_one_line(closed_port):
+    for command in (("info",), ("score", '{"features": {}}')):
+        done = run_cli(*command, port=str(closed_port))
+        assert done.returncode == 1
+        error = one_line_error(done, command[0])
+        assert error.startswith(f"UNAVAILABLE: cannot reach 127.0.0.1:{closed_port}"), error
+
+
+def test_bad_json_fields_and_types_are_one_line(live):
+    for payload, named in (
+        ({"features": {"amount": "lots"}}, "features"),
+        ({"featurez": {}}, "featurez"),
+        ({"history": [{"values": "x"}]}, "values"),
+        ([1, 2], "requests"),
+    ):
+        done = run_cli("score", "--target", live.target, json.dumps(payload))
+        assert done.returncode == 2, done.stderr
+        error = one_line_error(done, "score")
+        assert error.startswith("invalid request: ") and named in error, error
+    done = run_cli("score", "--target", live.target, "{not json")
+    assert one_line_error(done, "score").startswith("cannot read the request: ")
+    done = run_cli("score", "--target", live.target, "-", stdin='"a string"')
+    assert "JSON object" in one_line_error(done, "score")
+
+
+def test_invalid_settings_are_one_line():
+    done = run_cli("info", port="many")
+    assert done.returncode == 2
+    assert one_line_error(done, "info").startswith("invalid settings: port: ")
+    done = run_cli("stats", metrics_port="none")
+    assert "RISKSERVE_METRICS_PORT=none" in one_line_error(done, "stats")
+
+
+def test_stats_reports_an_unreachable_metrics_port(closed_port):
+    done = run_cli("stats", "--window-s", "0", metrics_port=str(closed_port))
+    assert done.returncode == 2
+    error = one_line_error(done, "stats")
+    assert error.startswith(f"cannot scrape http://127.0.0.1:{closed_port}/metrics: "), error
+
+
+def test_clients_send_the_servers_token(models_root):
+    from liveserver import LiveServer
+
+    with LiveServer(
+        models_dir=models_root, default_model="credit-lite", auth_token="s3cret", budget_ms=5000
+    ) as server:
+        port = str(server.port)
+        assert run_cli("info", port=port, auth_token="s3cret").returncode == 0
+        refused = run_cli("info", port=port)
+        assert one_line_error(refused, "info").startswith("UNAUTHENTICATED: ")
+        wrong = run_cli("info", "--token", "nope", port=port, auth_token="s3cret")
+        assert one_line_error(wrong, "info").startswith("UNAUTHENTICATED: ")
+
+
+def test_clients_talk_tls_when_the_server_has_a_certificate(models_root, tmp_path):
+    from certs import Authority
+    from liveserver import LiveServer
+
+    ca = Authority()
+    pair = ca.issue("riskserve", server=True)
+    files = {name: tmp_path / f"{name}.pem" for name in ("cert", "key", "ca")}
+    files["cert"].write_bytes(pair.cert_pem)
+    files["key"].write_bytes(pair.key_pem)
+    files["ca"].write_bytes(ca.pem)
+    tls = {"tls_cert_file": str(files["cert"]), "tls_key_file": str(files["key"])}
+    with LiveServer(
+        models_dir=models_root, default_model="credit-lite", budget_ms=5000, **tls
+    ) as server:
+        port = str(server.port)
+        done = run_cli("info", port=port, tls_ca_file=str(files["ca"]), **tls)
+        assert done.returncode == 0, done.stderr
+        done = run_cli("info", "--tls-ca", str(files["ca"]), port=port)
+        assert done.returncode == 0, done.stderr
+        # Without the CA the server's certificate is not trusted: refused, in one line.
+        assert one_line_error(run_cli("info", port=port, **tls), "info").startswith("UNAVAILABLE")
+
+
+@pytest.fixture()
+def taken_port() -> Iterator[int]:
+    """A loopback port something already listens on."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_serve_on_a_taken_port_says_which_in_one_line(taken_port, tmp_path):
+    from modelkit import write_tabular_model
+
+    write_tabular_model(tmp_path)
+    common = {"models_dir": str(tmp_path), "trace_file": "none", "warmup_iterations": "0"}
+    done = run_cli("serve", port="0", metrics_port=str(taken_port), **common)
+    error = one_line_error(done, "serve")
+    assert error.startswith(f"cannot serve metrics on 127.0.0.1:{taken_port}: "), error
+    assert "RISKSERVE_METRICS_PORT" in error
+    # The gRPC port is bound once the models are loaded: the server's log comes first, then
+    # the one line of the error, and no traceback.
+    done = run_cli("serve", port=str(taken_port), metrics_port="none", **common)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"riskserve serve: cannot listen on 127.0.0.1:{taken_port}: "), last

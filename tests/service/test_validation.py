@@ -253,12 +253,60 @@ def test_oip_mask_values_other_than_0_and_1_are_refused(oip_stub, value):
     )
 
 
-def test_oip_largest_finite_values_and_negative_zero_mask_are_accepted(oip_stub):
-    """float32's largest values are finite, and -0.0 is a 0 in a mask."""
-    big = np.full(FEATURES_SHAPE, np.finfo(np.float32).max, np.float32)
+def test_oip_negative_zero_mask_is_accepted(oip_stub):
+    """-0.0 is a 0 in a mask."""
     mask = _with(MASK_SHAPE, (0, 3), -0.0)
-    reply = oip_stub.ModelInfer(infer_request(features=big, history_mask=mask), timeout=5)
+    reply = oip_stub.ModelInfer(infer_request(history_mask=mask), timeout=5)
     assert np.frombuffer(reply.raw_output_contents[0], "<f4").shape == (2,)
+
+
+AMOUNT = FEATURE_NAMES.index("amount")
+
+
+@pytest.mark.parametrize("value", [3e38, -5.0, float(np.finfo(np.float32).max)])
+def test_a_value_outside_the_manifests_range_names_the_feature(stub, oip_stub, value):
+    features = good_features() | {"amount": value}
+    expect(
+        lambda: stub.Score(pb.ScoreRequest(features=features), timeout=5),
+        INVALID,
+        "features['amount']",
+        "outside the model's range [0, 1e+09]",
+    )
+    batch = pb.ScoreBatchRequest(
+        requests=[pb.ScoreRequest(features=good_features()), pb.ScoreRequest(features=features)]
+    )
+    expect(lambda: stub.ScoreBatch(batch, timeout=5), INVALID, "requests[1].features['amount']")
+    tensor = _with(FEATURES_SHAPE, (1, AMOUNT), value)
+    expect(
+        lambda: oip_stub.ModelInfer(infer_request(features=tensor), timeout=5),
+        INVALID,
+        "features[1]['amount']",
+        "outside the model's range",
+    )
+
+
+def test_range_bounds_themselves_are_accepted(stub):
+    features = good_features() | {"amount": 1e9, "hour_sin": -1.0, "balance": -1e9}
+    assert stub.Score(pb.ScoreRequest(features=features), timeout=5).decision
+
+
+def test_oip_unknown_requested_output_names_the_field(oip_stub):
+    request = infer_request()
+    request.outputs.add(name="score")
+    assert len(oip_stub.ModelInfer(request, timeout=5).raw_output_contents) == 1
+    request.outputs.add(name="logits")
+    expect(lambda: oip_stub.ModelInfer(request, timeout=5), INVALID, "outputs[1].name", "'logits'")
+
+
+def test_oip_empty_model_name_names_the_field(oip_stub):
+    request = infer_request()
+    request.model_name = ""
+    expect(lambda: oip_stub.ModelInfer(request, timeout=5), INVALID, "model_name", "is empty")
+    for call in (
+        lambda: oip_stub.ModelMetadata(oip.ModelMetadataRequest(name=""), timeout=5),
+        lambda: oip_stub.ModelConfig(oip.ModelConfigRequest(name=""), timeout=5),
+    ):
+        assert expect(call, INVALID).startswith("name: is empty")
 
 
 def test_burst_of_malformed_and_random_bytes_leaves_server_serving(live, stub):

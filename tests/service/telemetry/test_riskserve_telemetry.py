@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import urllib.request
@@ -149,8 +150,6 @@ def test_stats_command_shows_live_percentiles(models):
                     "-m",
                     "service",
                     "stats",
-                    "--url",
-                    server.server.telemetry.metrics_url,
                     "--window-s",
                     "1",
                 ],
@@ -158,6 +157,11 @@ def test_stats_command_shows_live_percentiles(models):
                 text=True,
                 timeout=60,
                 check=False,
+                # No --url: the command finds the metrics port in the server's own setting.
+                env={
+                    **os.environ,
+                    "RISKSERVE_METRICS_PORT": str(server.server.telemetry.metrics_port),
+                },
             )
         finally:
             stop.set()

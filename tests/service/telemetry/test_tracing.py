@@ -218,3 +218,28 @@ def test_otlp_protocol_variable_picks_the_exporter(monkeypatch, protocol):
         assert f".proto.{expected}." in type(exporter).__module__
     finally:
         exporter.shutdown()
+
+
+def test_trace_file_rotates_and_stays_under_its_cap(tmp_path: Path, monkeypatch):
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    trace_file = tmp_path / "spans.jsonl"
+    max_bytes, backups = 8192, 2
+    telemetry = setup_telemetry(
+        _config(
+            trace_file=trace_file,
+            trace_file_max_bytes=max_bytes,
+            trace_file_backup_count=backups,
+            trace_export_all=True,
+        )
+    )
+    # Every call's trace is kept: two spans of about 700 bytes each, some 20 times the cap.
+    _run(telemetry, [b"abort"] * 150)
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["spans.jsonl", "spans.jsonl.1", "spans.jsonl.2"]
+    sizes = [f.stat().st_size for f in files]
+    assert all(size <= max_bytes for size in sizes), sizes
+    assert sum(sizes) <= max_bytes * (backups + 1)
+    records = [json.loads(line) for f in files for line in f.read_text().splitlines()]
+    # Whole lines only, oldest dropped: fewer spans than were written remain, each readable.
+    assert records and all(r["name"] == "test.Echo/Call" for r in records)
+    assert len(records) < 150
