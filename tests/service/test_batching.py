@@ -191,7 +191,7 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
         )
 
     async def scenario() -> list[float]:
-        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1)
+        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1, inline_max_s=0)
         batcher.start()
         deadline = time.monotonic() + 5
         first = asyncio.create_task(batcher.submit(rows_of(8), deadline))
