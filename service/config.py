@@ -100,6 +100,12 @@ class Settings(BaseSettings):
     max_concurrent_streams: int = Field(
         100, ge=1, description="Concurrent calls one client connection may have open."
     )
+    max_requests_in_progress: int = Field(
+        0,
+        ge=0,
+        description="Scoring calls one process admits at once, the rest RESOURCE_EXHAUSTED; "
+        "0 = what it finishes within the budget.",
+    )
     reload_interval_s: float = Field(
         0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."
     )

@@ -24,7 +24,7 @@ from service.auth import AuthInterceptor, TokenSource
 from service.config import Settings
 from service.experiments import Experiments
 from service.handlers import InferenceServicer, RiskScoringServicer
-from service.handlers.boundary import generic_handler
+from service.handlers.boundary import Admission, generic_handler
 from service.health import DrainingHealth
 from service.registry import EngineFactory, ModelRegistry, default_engines
 from service.reload import ModelWatcher
@@ -90,6 +90,20 @@ def default_engine_workers() -> int:
     second batch in flight only competes for the same cores and makes the batches smaller.
     """
     return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+# Server CPU one scoring request costs end to end at load (gRPC, decoding, its share of a
+# batch's engine run, telemetry), measured with bench.compare on the demo model. It sizes the
+# admission limit: more calls in progress than one process finishes within the budget would
+# only wait, unseen, in front of the handler.
+REQUEST_COST_S = 0.00025
+# Share of the budget the admitted calls may fill; the rest absorbs bursts and the reply.
+ADMISSION_SHARE = 0.8
+
+
+def admission_limit(budget_s: float) -> int:
+    """Scoring calls one process admits at once: what it finishes within the budget."""
+    return max(4, int(budget_s * ADMISSION_SHARE / REQUEST_COST_S))
 
 
 def telemetry_config(settings: Settings) -> TelemetryConfig:
@@ -196,6 +210,12 @@ async def build_server(
     risk_servicer = RiskScoringServicer(
         registry, settings.default_model, settings.budget_s, experiments, telemetry
     )
+    # One bound over both APIs: they share the process's event loop and engines.
+    admission = Admission(
+        settings.max_requests_in_progress or admission_limit(settings.budget_s)
+    )
+    risk_servicer.admission = admission  # type: ignore[attr-defined]
+    oip_servicer.admission = admission  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers(
         (
             generic_handler(risk_servicer, pb.DESCRIPTOR.services_by_name["RiskScoring"]),
