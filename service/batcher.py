@@ -433,8 +433,10 @@ class MicroBatcher:
         one_s = self.time_model.estimate_s(1, length)
         if self._gap_s >= one_s:
             return 0.0
-        slack_s = head.deadline - time.monotonic() - 2 * self.time_model.estimate_s(
-            self._queued_rows + 1, length
+        slack_s = (
+            head.deadline
+            - time.monotonic()
+            - 2 * self.time_model.estimate_s(self._queued_rows + 1, length)
         )
         return max(0.0, min(one_s, slack_s))
 

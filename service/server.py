@@ -211,9 +211,7 @@ async def build_server(
         registry, settings.default_model, settings.budget_s, experiments, telemetry
     )
     # One bound over both APIs: they share the process's event loop and engines.
-    admission = Admission(
-        settings.max_requests_in_progress or admission_limit(settings.budget_s)
-    )
+    admission = Admission(settings.max_requests_in_progress or admission_limit(settings.budget_s))
     risk_servicer.admission = admission  # type: ignore[attr-defined]
     oip_servicer.admission = admission  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers(

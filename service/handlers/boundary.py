@@ -194,11 +194,8 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         telemetry: Telemetry | None = getattr(self, "telemetry", None)
         admission: Admission | None = getattr(self, "admission", None) if bounded else None
-        if admission is not None:
-            if admission.active >= admission.limit:
-                await context.abort(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse(telemetry, admission)
-                )
+        if admission is not None and admission.active >= admission.limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse(telemetry, admission))
         tracing = telemetry.tracing if telemetry is not None else None
         started = time.perf_counter()
         call = _CallLabels()
