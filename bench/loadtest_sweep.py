@@ -63,7 +63,7 @@ def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
         "RISKSERVE_TRACE_FILE": "none",
     }
     if config != "1-process":
-        env["RISKSERVE_PROCESSES"] = config.split("-", 1)[0]
+        env["RISKSERVE_PROCESSES"] = config.split("-", 1)[0]  # "auto", or "2" of "2-processes"
     argv = (str(RISKSERVE), "serve", "--port", str(port))
     return ServerSpec(config, argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
 
@@ -186,8 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-ms", type=float, default=10.0)
     parser.add_argument(
         "--configs",
-        default=f"1-process,{os.cpu_count() or 2}-processes",
-        help="1-process and/or N-processes (RISKSERVE_PROCESSES=N), comma-separated",
+        default="1-process,auto",
+        help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), "
+        "comma-separated",
     )
     args = parser.parse_args(argv)
     rates = sorted(float(r) for r in args.rates.split(",") if r)

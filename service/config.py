@@ -66,7 +66,10 @@ class Settings(BaseSettings):
         0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."
     )
     processes: int = Field(
-        1, ge=1, description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port."
+        1,
+        ge=1,
+        description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port. "
+        "'auto': one per CPU core.",
     )
     tensorrt: bool = Field(True, description="Load validated TensorRT plans where TensorRT runs.")
     onnx_variants: bool = Field(
@@ -179,6 +182,13 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             parse_cpu_list(value)  # its ValueError names the bad part; pydantic, the field
             return value.strip()
+        return value
+
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _processes_auto(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return len(os.sched_getaffinity(0)) or 1
         return value
 
     @model_validator(mode="after")

@@ -1,6 +1,8 @@
-"""Settings that take a structured value: the shadow worker's CPU list."""
+"""Settings that take a structured value: the shadow worker's CPU list, processes=auto."""
 
 from __future__ import annotations
+
+import os
 
 import pydantic
 import pytest
@@ -37,3 +39,8 @@ def test_shadow_cpus_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_shadow_cpus_may_be_one_number_in_a_config_file(tmp_path) -> None:
     assert Settings(models_dir=tmp_path, shadow_cpus=3).shadow_cpu_set == {3}
+
+
+def test_processes_auto_is_one_per_usable_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RISKSERVE_PROCESSES", "auto")
+    assert Settings(port=50051).processes == len(os.sched_getaffinity(0))
