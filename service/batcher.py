@@ -59,7 +59,7 @@ class BatchOutcome:
     row_engines: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Scored:
     """One caller's share of an executed batch."""
 
