@@ -92,11 +92,11 @@ def default_engine_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-# Server CPU one scoring request costs at load, about 0.4 ms on the development machine at 16
-# callers (gRPC's own share about 0.2 ms: the do-nothing server's; riskserve's path and its
-# share of a batch's engine run about 0.2 ms). It sizes the admission limit: more calls in
-# progress than one process finishes within the budget would only wait, where the callers'
-# clocks run and the service's do not.
+# Server CPU one scoring request costs at 16 callers on the two-core development machine: 0.4
+# to 0.8 ms measured (bench.compare), of which the do-nothing gRPC server's share is about 0.3
+# ms; the low end is taken. It sizes the admission limit: more calls in progress than one
+# process finishes within the budget would only wait, where the callers' clocks run and the
+# service's do not.
 REQUEST_COST_S = 0.0004
 # Share of the budget the admitted calls may fill; the rest absorbs bursts and the reply.
 ADMISSION_SHARE = 0.8
