@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from service.batcher import Scored
-from service.errors import InvalidRequest, ServiceError, status_for
+from service.errors import DeadlineMissed, InvalidRequest, ServiceError, status_for
 from service.telemetry import RequestTrace, Telemetry, current_request_trace, current_trace_id
 from service.telemetry.tracing import DECISION_DROPPED
 
@@ -180,6 +180,16 @@ def _refuse(telemetry: Telemetry | None, admission: Admission) -> str:
     return f"{admission.active} requests in progress, limit {admission.limit}; retry later"
 
 
+def _check_not_expired(telemetry: Telemetry | None, context: grpc.aio.ServicerContext) -> None:
+    """Refuse a call whose caller's deadline passed while it waited to be read: its caller has
+    gone, and scoring it would only take the engine from calls that can still make theirs."""
+    remaining_s = context.time_remaining()
+    if remaining_s is not None and remaining_s <= 0:
+        if telemetry is not None:
+            telemetry.metrics.count_shed("", "deadline")
+        raise DeadlineMissed("the deadline passed before the service reached the request")
+
+
 def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """The one wrapper of every RPC: its trace, its error mapping, its request metric.
 
@@ -215,6 +225,8 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         try:
             if isinstance(request, Malformed):
                 raise InvalidRequest("request", f"is not a valid {request.type_name} message")
+            if bounded:
+                _check_not_expired(telemetry, context)
             return await handler(self, request, context)
         except ServiceError as exc:
             status = status_for(exc)
