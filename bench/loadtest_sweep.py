@@ -54,6 +54,7 @@ class Point:
 
 
 def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
+    # The metrics ports of N processes are N consecutive ports from the first.
     port, metrics_port = free_port(), free_port()
     env = {
         "RISKSERVE_PORT": str(port),
@@ -107,15 +108,29 @@ def _number(row: dict[str, str], key: str) -> float:
         return math.nan
 
 
-def _shed_total(metrics_port: int) -> float:
+def _processes(config: str) -> int:
+    if config == "1-process":
+        return 1
+    if config == "auto":
+        return len(os.sched_getaffinity(0)) or 1
+    return int(config.split("-", 1)[0])
+
+
+def _shed_total(metrics_port: int, processes: int) -> float:
+    """Requests shed so far, over every server process (each serves metrics on its own port:
+    the first on `metrics_port`, the next one up, and so on)."""
     try:
-        return metric_sum(scrape_metrics(metrics_port), "riskserve_shed_total")
+        return sum(
+            metric_sum(scrape_metrics(metrics_port + i), "riskserve_shed_total")
+            for i in range(processes)
+        )
     except Exception:  # a server without the counter yet, or a slow scrape
         return math.nan
 
 
 def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) -> list[Point]:
     spec, metrics_port = _spec(config, budget_ms)
+    processes = _processes(config)
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="loadtest-sweep-") as tmp:
         log = Path(tmp) / f"{config}.log"
@@ -123,7 +138,7 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
             _locust(server.target, min(rates), 3.0, Path(tmp) / "warm")  # connect, warm caches
             for rate in rates:
                 prefix = Path(tmp) / f"{config}-{rate:g}"
-                cpu_before, shed_before = server.cpu_seconds(), _shed_total(metrics_port)
+                cpu_before, shed_before = server.cpu_seconds(), _shed_total(metrics_port, processes)
                 started = time.monotonic()
                 _locust(server.target, rate, duration_s, prefix)
                 elapsed_s = time.monotonic() - started
@@ -139,7 +154,7 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
                     _number(row, "50%"),
                     _number(row, "99%"),
                     cpu_s * 1e6 / requests if requests else math.nan,
-                    _shed_total(metrics_port) - shed_before,
+                    _shed_total(metrics_port, processes) - shed_before,
                 )
                 points.append(point)
                 print(_line(point), f"({elapsed_s:.0f} s)", flush=True)
