@@ -142,7 +142,7 @@ def _auth(settings: Settings) -> AuthInterceptor | None:
 
 
 def _can_hang(engine: Engine) -> bool:
-    """Whether a call into `engine` can hang: a device stream or driver can, ONNX Runtime on the
+    """Whether a call into `engine` can hang: a GPU stream or driver can, ONNX Runtime on the
     CPU returns or raises (its runs are ordinary compute on the calling thread)."""
     return not (engine.kind == "onnxruntime" and engine.name.startswith("onnxruntime-cpu"))
 
