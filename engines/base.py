@@ -131,6 +131,9 @@ class Engine(ABC):
     profiles: tuple[Profile, ...]
     #: how many batches may run at once (execution contexts, session threads)
     max_concurrency: int = 1
+    #: whether a call can block without bound (a GPU stream or driver can); the batcher runs
+    #: only engines that cannot on its event loop, and only those skip the watchdog
+    can_hang: bool = True
 
     def select_profile(self, shapes: Mapping[str, tuple[int, ...]]) -> Profile:
         """The first profile that accepts every shape, else `ShapeMismatch`."""

@@ -114,6 +114,9 @@ class EnginePool:
         self._total = {e.name: 0 for e in self._engines}
         self._last_error = {e.name: "" for e in self._engines}
         self._removed: set[str] = set()
+        # What `in_service` returns, rebuilt under the lock when an engine is taken out or the
+        # order changes: every batch reads it, so reading it must not take the lock.
+        self._in_service = tuple(self._engines)
         # A calibration row the fallback scores finitely; see `_fail_over`.
         self._probe: dict[str, np.ndarray] | None = None
 
@@ -140,8 +143,7 @@ class EnginePool:
     @property
     def in_service(self) -> tuple[Engine, ...]:
         """The engines still tried, in order: those not taken out after errors or a hang."""
-        with self._lock:
-            return tuple(e for e in self._engines if e.name not in self._removed)
+        return self._in_service
 
     @property
     def health(self) -> dict[str, EngineHealth]:
@@ -157,6 +159,9 @@ class EnginePool:
                 for e in self._engines
             }
 
+    def _serving(self) -> tuple[Engine, ...]:
+        return tuple(e for e in self._engines if e.name not in self._removed)
+
     def _record(self, engine: Engine, error: EngineFailure | None = None) -> None:
         name = engine.name
         if name not in self._consecutive:  # the bare fallback keeps no record
@@ -171,6 +176,7 @@ class EnginePool:
             hung = isinstance(error, EngineHung)
             if hung or self._consecutive[name] >= self.max_consecutive_errors:
                 self._removed.add(name)
+                self._in_service = self._serving()
 
     def _checked(self, engine: Engine, inputs: Arrays) -> dict[str, np.ndarray]:
         outputs = self._run_chunked(engine, inputs)
@@ -367,6 +373,7 @@ class EnginePool:
 
         with self._lock:
             self._engines.sort(key=score)
+            self._in_service = self._serving()
             order = tuple(e.name for e in self._engines)
         return CalibrationReport(seconds, order)
 

@@ -6,9 +6,24 @@ with load. Each take stops before a request that would make the batch late for a
 using an online linear model of engine time against padded batch cells. A request that cannot
 make its deadline even alone is failed at admission or at dispatch, never run.
 
-Each worker is a thread of its own that runs one merged batch at a time. Dispatch happens on the
-event loop, in the call that queued a request or in the callback that reports a finished batch:
-no task wakes up to look at the queue, and a batch crosses threads once each way.
+A batch the engine-time model expects to take at most `inline_max_s` (3 ms by default: ONNX
+Runtime on CPU at small batches) runs on the event loop itself, when no other batch is running:
+a submit schedules one dispatch callback (`call_soon`), so the requests that became ready in the
+same turn of the loop join the batch, and the engine runs inline. ONNX Runtime releases the GIL
+while it runs and gRPC's core keeps reading the wire on its own threads, so little is lost by
+blocking the loop that briefly; what is gained is that no request waits for a thread to get the
+GIL back. A hand-off to an engine thread and back takes the GIL twice, each time up to the
+interpreter's switch interval (5 ms) while the loop is busy: that, not compute, was most of the
+latency of a lightly loaded server.
+
+The registry turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
+(`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
+stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
+engine threads, so the loop
+keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
+runs one merged batch at a time. Dispatch happens on the event loop, in the call that queued a
+request or in the callback that reports a finished batch: no task wakes up to look at the queue,
+and a batch crosses threads once each way.
 """
 
 from __future__ import annotations
@@ -29,7 +44,7 @@ from service.codec import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
-__all__ = ["BatchOutcome", "EngineTimeModel", "MicroBatcher", "Scored"]
+__all__ = ["INLINE_MAX_S", "BatchOutcome", "EngineTimeModel", "MicroBatcher", "Scored"]
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +62,7 @@ class BatchOutcome:
     row_engines: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Scored:
     """One caller's share of an executed batch."""
 
@@ -151,6 +166,10 @@ RunBatch = Callable[[RowBatch], BatchOutcome]
 _MAX_PADDING = 1.5
 # Jobs passed over for padding in one take, so a long queue is never scanned whole.
 _MAX_DEFERRED = 16
+# Batches expected to run at most this long run on the event loop (see the module's notes). The
+# estimate carries the time model's headroom and follows a loaded machine's slower runs, so the
+# bound sits well above a small batch's 0.15 to 1 ms, below a slow engine's 5 ms and more.
+INLINE_MAX_S = 0.003
 
 
 def merge(batches: list[RowBatch]) -> RowBatch:
@@ -189,8 +208,12 @@ class MicroBatcher:
         degrade_on_deadline: bool = False,
         telemetry: Telemetry | None = None,
         labels: tuple[str, str] = ("", ""),
+        inline_max_s: float = INLINE_MAX_S,
     ) -> None:
+        """`inline_max_s`: batches expected to be at most this fast run on the event loop (0:
+        every batch goes to an engine thread)."""
         self._run_batch = run_batch
+        self._inline_max_s = inline_max_s
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
         self._workers_n = workers
@@ -208,6 +231,7 @@ class MicroBatcher:
         self._threads: list[threading.Thread] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._delayed: asyncio.TimerHandle | None = None
+        self._scheduled: asyncio.Handle | None = None
         self._closing = False
 
     def run_batch(self, rows: RowBatch) -> BatchOutcome:
@@ -376,33 +400,72 @@ class MicroBatcher:
 
     def _dispatch(self) -> None:
         while self._heap and len(self._running) < self._workers_n:
-            jobs = self._take()
-            if not jobs:
+            if self._inline_max_s > 0 and not self._running:
+                # Decided later in this turn of the loop, so the requests ready now join in.
+                if self._scheduled is None:
+                    assert self._loop is not None
+                    self._scheduled = self._loop.call_soon(self._dispatch_next)
+                return
+            self._hand_off()
+
+    def _hand_off(self) -> None:
+        token, running = self._start_next()
+        if running is not None:
+            self._inbox.put((token, [j.batch for j in running.jobs]))
+
+    def _dispatch_next(self) -> None:
+        """Start the next batch: on the event loop when it is short, else on an engine thread."""
+        self._scheduled = None
+        if self._running:  # a batch went to a thread meanwhile; its end dispatches again
+            return
+        while self._heap:
+            token, running = self._start_next()
+            if running is None:
                 continue
-            rows = sum(j.batch.rows for j in jobs)
-            length = max(j.batch.history_length for j in jobs)
-            token = next(self._seq)
-            trace = None
-            if self._tracing is not None:
-                trace = self._tracing.start_batch(
-                    [j.trace for j in jobs],
-                    {
-                        "riskserve.model": self._model,
-                        "riskserve.version": self._version,
-                        "riskserve.batch.size": rows,
-                        "riskserve.batch.requests": len(jobs),
-                        "riskserve.batch.history_length": length,
-                    },
+            estimate_s = self.time_model.estimate_s(running.rows, running.history_length)
+            if estimate_s > self._inline_max_s:
+                self._inbox.put((token, [j.batch for j in running.jobs]))
+                self._dispatch()  # more workers may be free
+                return
+            try:
+                outcome: BatchOutcome | BaseException = self._run_batch(
+                    merge([j.batch for j in running.jobs])
                 )
-            self._running[token] = _Running(
-                jobs,
-                rows,
-                length,
-                time.monotonic_ns(),
-                time.monotonic() + self.time_model.estimate_s(rows, length),
-                trace,
+            except Exception as exc:  # the batch fails, the loop goes on
+                outcome = exc
+            self._finish(token, outcome, time.monotonic_ns())
+            return
+
+    def _start_next(self) -> tuple[int, _Running | None]:
+        """Take the next batch off the heap and record it as running (None: nothing to take)."""
+        jobs = self._take()
+        token = next(self._seq)
+        if not jobs:
+            return token, None
+        rows = sum(j.batch.rows for j in jobs)
+        length = max(j.batch.history_length for j in jobs)
+        trace = None
+        if self._tracing is not None:
+            trace = self._tracing.start_batch(
+                [j.trace for j in jobs],
+                {
+                    "riskserve.model": self._model,
+                    "riskserve.version": self._version,
+                    "riskserve.batch.size": rows,
+                    "riskserve.batch.requests": len(jobs),
+                    "riskserve.batch.history_length": length,
+                },
             )
-            self._inbox.put((token, [j.batch for j in jobs]))
+        running = _Running(
+            jobs,
+            rows,
+            length,
+            time.monotonic_ns(),
+            time.monotonic() + self.time_model.estimate_s(rows, length),
+            trace,
+        )
+        self._running[token] = running
+        return token, running
 
     def _engine_thread(self) -> None:
         loop = self._loop

@@ -11,8 +11,11 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf.message_factory import GetMessageClass
 
 from engines.manifest import Manifest
 from inference import grpc_service_pb2 as oip
@@ -60,13 +63,19 @@ def _finite(values: np.ndarray, field: str, manifest: Manifest) -> np.ndarray:
 
 
 def _feature_vector(features: object, manifest: Manifest, prefix: str) -> np.ndarray:
-    fmap = dict(features)  # type: ignore[call-overload]
     names = manifest.features
     try:
-        if len(fmap) != len(names):
+        if len(features) != len(names):  # type: ignore[arg-type]
             raise KeyError
-        values = np.array([fmap[name] for name in names], dtype=np.float32)
-    except KeyError:
+        # A missing name reads as None, which numpy refuses (TypeError): the slow path below
+        # then says which.
+        values = np.fromiter(
+            map(features.get, names),  # type: ignore[attr-defined]
+            dtype=np.float32,
+            count=len(names),
+        )
+    except (KeyError, TypeError):
+        fmap = dict(features)  # type: ignore[call-overload]
         unknown = sorted(set(fmap) - set(names))
         if unknown:
             raise InvalidRequest(f"{prefix}features[{unknown[0]!r}]", "unknown feature") from None
@@ -79,7 +88,65 @@ def _feature_vector(features: object, manifest: Manifest, prefix: str) -> np.nda
     return values
 
 
-def _history_matrix(rows: Sequence[pb.HistoryRow], manifest: Manifest, prefix: str) -> np.ndarray:
+def _rows_view_class() -> Any:
+    """A message with ScoreRequest's history field as `repeated bytes`: parsing a request's
+    bytes with it gives each history row's own wire bytes, which numpy reads whole."""
+    history = pb.ScoreRequest.DESCRIPTOR.fields_by_name["history"]
+    file = descriptor_pb2.FileDescriptorProto(
+        name="riskserve_history_rows.proto", package="riskserve.codec", syntax="proto3"
+    )
+    message = file.message_type.add(name="HistoryRows")
+    message.field.add(
+        name="history",
+        number=history.number,
+        label=descriptor_pb2.FieldDescriptorProto.LABEL_REPEATED,
+        type=descriptor_pb2.FieldDescriptorProto.TYPE_BYTES,
+    )
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(file)
+    return GetMessageClass(pool.FindMessageTypeByName("riskserve.codec.HistoryRows"))
+
+
+_HistoryRows = _rows_view_class()
+_VALUES_TAG = 1 << 3 | 2  # HistoryRow.values (field 1), packed: length-delimited
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _rows_from_wire(request: pb.ScoreRequest, width: int) -> np.ndarray | None:
+    """The history as an (n, width) float32 matrix read from the rows' wire bytes at once, or
+    None where a row is not exactly `width` packed floats (the per-value path then says why).
+
+    A row of `width` packed floats is its field's tag, the byte length as a varint, then the
+    little-endian floats, so rows that all have the width are equal-sized records: one numpy
+    view checks every header and takes every value, with nothing done per value in Python.
+    """
+    rows = _HistoryRows.FromString(request.SerializeToString()).history
+    header = bytes([_VALUES_TAG]) + _varint(4 * width)
+    size = len(header) + 4 * width
+    blob = b"".join(rows)
+    if len(blob) != len(rows) * size:
+        return None
+    records = np.frombuffer(blob, dtype=np.uint8).reshape(len(rows), size)
+    if not (records[:, : len(header)] == np.frombuffer(header, dtype=np.uint8)).all():
+        return None
+    return records[:, len(header) :].copy().view("<f4").astype(np.float32, copy=False)
+
+
+def _history_matrix(
+    rows: Sequence[pb.HistoryRow],
+    manifest: Manifest,
+    prefix: str,
+    request: pb.ScoreRequest | None = None,
+) -> np.ndarray:
+    """`request`, where given, is the message holding `rows`: read from its wire bytes."""
     spec = manifest.history
     if spec is None:
         if rows:
@@ -90,6 +157,10 @@ def _history_matrix(rows: Sequence[pb.HistoryRow], manifest: Manifest, prefix: s
         raise InvalidRequest(
             f"{prefix}history", f"{len(rows)} rows exceed the limit of {spec.max_length}"
         )
+    if request is not None and rows:
+        matrix = _rows_from_wire(request, width)
+        if matrix is not None:
+            return _finite(matrix, f"{prefix}history", manifest)
     for i, row in enumerate(rows):
         if len(row.values) != width:
             raise InvalidRequest(
@@ -163,7 +234,7 @@ def decode_score_request(
     request: pb.ScoreRequest, manifest: Manifest, prefix: str = ""
 ) -> RowBatch:
     vector = _feature_vector(request.features, manifest, prefix)
-    history = _history_matrix(request.history, manifest, prefix)
+    history = _history_matrix(request.history, manifest, prefix, request)
     rows = _stack([vector], [history], manifest)
     check_ranges(rows.features, manifest, prefix + "features[{feature!r}]")
     return rows
@@ -181,7 +252,7 @@ def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> Row
         if item.model and item.model != request.model:
             raise InvalidRequest(f"{prefix}model", "must be empty or equal the batch's model")
         vectors.append(_feature_vector(item.features, manifest, prefix))
-        histories.append(_history_matrix(item.history, manifest, prefix))
+        histories.append(_history_matrix(item.history, manifest, prefix, item))
     rows = _stack(vectors, histories, manifest)
     check_ranges(rows.features, manifest, "requests[{row}].features[{feature!r}]")
     return rows

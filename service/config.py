@@ -66,7 +66,10 @@ class Settings(BaseSettings):
         0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."
     )
     processes: int = Field(
-        1, ge=1, description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port."
+        1,
+        ge=1,
+        description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port. "
+        "'auto': one per CPU core.",
     )
     tensorrt: bool = Field(True, description="Load validated TensorRT plans where TensorRT runs.")
     onnx_variants: bool = Field(
@@ -107,6 +110,12 @@ class Settings(BaseSettings):
     )
     max_stream_in_flight: int = Field(
         256, ge=1, description="Messages scored at once per stream; more get RESOURCE_EXHAUSTED."
+    )
+    max_requests_in_progress: int = Field(
+        0,
+        ge=0,
+        description="Scoring calls one process admits at once, the rest RESOURCE_EXHAUSTED; "
+        "0 = what it finishes within the budget.",
     )
     reload_interval_s: float = Field(
         0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."
@@ -225,6 +234,13 @@ class Settings(BaseSettings):
                 k: str(v) if isinstance(v, int) and not isinstance(v, bool) else v
                 for k, v in value.items()
             }
+        return value
+
+    @field_validator("processes", mode="before")
+    @classmethod
+    def _processes_auto(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return len(os.sched_getaffinity(0)) or 1
         return value
 
     @model_validator(mode="after")

@@ -28,7 +28,7 @@ from engines.onnxrt import OnnxRuntimeEngine
 from engines.pool import EnginePool
 from engines.trt import load_engines
 from engines.validation import accepted_variants
-from service.batcher import BatchOutcome, EngineTimeModel, MicroBatcher
+from service.batcher import INLINE_MAX_S, BatchOutcome, EngineTimeModel, MicroBatcher
 from service.codec import RowBatch
 from service.errors import ModelNotFound, ScoringFailed, Unavailable
 from service.telemetry import Telemetry
@@ -398,6 +398,9 @@ class ModelRegistry:
             degrade_on_deadline=self._degrade,
             telemetry=self._telemetry,
             labels=(manifest.name, manifest.version),
+            # A call that can hang must not hold the event loop: then every batch goes to the
+            # engine threads.
+            inline_max_s=0.0 if any(e.can_hang for e in (*engines, fallback)) else INLINE_MAX_S,
         )
         model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
         if len(pool.engines) > 1:

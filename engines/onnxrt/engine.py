@@ -76,6 +76,8 @@ class OnnxRuntimeEngine(Engine):
         device = "cuda" if providers and providers[0] == CUDA else "cpu"
         suffix = "" if precision == "fp32" else f"-{precision}"
         self.name = f"onnxruntime-{device}{suffix}"
+        # On the CPU a run is ordinary compute on the calling thread: it returns or raises.
+        self.can_hang = device != "cpu"
         self.profiles = (_profile_from_session(session),)
         self._dtypes = {s.name: s.dtype for s in self.profiles[0].inputs}
         self._outputs = (

@@ -17,11 +17,13 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from service.batcher import Scored
-from service.errors import InvalidRequest, ServiceError, status_for
+from service.errors import DeadlineMissed, InvalidRequest, ServiceError, status_for
 from service.telemetry import RequestTrace, Telemetry, current_request_trace, current_trace_id
 from service.telemetry.tracing import DECISION_DROPPED
 
 __all__ = [
+    "SCORING_METHODS",
+    "Admission",
     "Malformed",
     "deadline_for",
     "generic_handler",
@@ -155,6 +157,44 @@ def generic_handler(servicer: Any, service: ServiceDescriptor) -> grpc.GenericRp
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
+# The RPCs that queue for an engine, and so are bounded by `Admission`.
+SCORING_METHODS = frozenset({"Score", "ScoreBatch", "ModelInfer"})
+
+
+class Admission:
+    """At most `limit` scoring RPCs inside the service at once; the rest are refused at once.
+
+    A request the batcher has seen is shed by its deadline when the queue ahead is too long; a
+    request the event loop has not reached yet waits where nothing can see it. Bounding the
+    calls admitted keeps that unseen wait short: an overloaded loop spends a refusal's few
+    microseconds on the excess instead of decoding, queueing and timing it out, so the calls
+    admitted still run at the service's capacity and the callers' p99 stays inside the budget.
+    The servicers share one (their `admission` attribute); one event loop updates it.
+    """
+
+    __slots__ = ("active", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+
+def _refuse(telemetry: Telemetry | None, admission: Admission) -> str:
+    if telemetry is not None:
+        telemetry.metrics.count_shed("", "concurrency")
+    return f"{admission.active} requests in progress, limit {admission.limit}; retry later"
+
+
+def _check_not_expired(telemetry: Telemetry | None, context: grpc.aio.ServicerContext) -> None:
+    """Refuse a call whose caller's deadline passed while it waited to be read: its caller has
+    gone, and scoring it would only take the engine from calls that can still make theirs."""
+    remaining_s = context.time_remaining()
+    if remaining_s is not None and remaining_s <= 0:
+        if telemetry is not None:
+            telemetry.metrics.count_shed("", "deadline")
+        raise DeadlineMissed("the deadline passed before the service reached the request")
+
+
 def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """The one wrapper of every RPC: its trace, its error mapping, its request metric.
 
@@ -163,10 +203,14 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
     and holds `telemetry` (None: neither traced nor measured).
     """
     method = handler.__name__
+    bounded = method in SCORING_METHODS
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         telemetry: Telemetry | None = getattr(self, "telemetry", None)
+        admission: Admission | None = getattr(self, "admission", None) if bounded else None
+        if admission is not None and admission.active >= admission.limit:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse(telemetry, admission))
         tracing = telemetry.tracing if telemetry is not None else None
         started = time.perf_counter()
         call = _CallLabels()
@@ -181,9 +225,13 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             )
             trace_token = tracing.activate(trace)
         status = _OK
+        if admission is not None:
+            admission.active += 1
         try:
             if isinstance(request, Malformed):
                 raise InvalidRequest("request", f"is not a valid {request.type_name} message")
+            if bounded:
+                _check_not_expired(telemetry, context)
             return await handler(self, request, context)
         except ServiceError as exc:
             status = status_for(exc)
@@ -200,6 +248,8 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             log.exception("unexpected error in %s (trace id %s)", method, trace_id)
             await context.abort(status, f"internal error (trace id {trace_id})")
         finally:
+            if admission is not None:
+                admission.active -= 1
             _CALL.reset(call_token)
             # An enum's .value and .name are Python-level properties: OK skips both, and
             # neither is read twice.

@@ -34,7 +34,7 @@ BATCH_SIZE = "riskserve.batch.size"
 UNKNOWN_LABEL = "unknown"
 # Every reason a request is shed and (the part before ':') an engine falls back: each loaded
 # model shows all of them from the start, at 0, so a rate over them needs no special case.
-SHED_REASONS = ("queue_full", "deadline")
+SHED_REASONS = ("queue_full", "deadline", "concurrency")
 FALLBACK_REASONS = (
     "shape_mismatch",
     "engine_error",
@@ -81,7 +81,9 @@ class Metrics:
             REQUEST_DURATION, unit="s", description="Server-side time of one scoring request."
         )
         self._queue_s = meter.create_histogram(
-            QUEUE_WAIT_DURATION, unit="s", description="Time a request waited for its batch."
+            QUEUE_WAIT_DURATION,
+            unit="s",
+            description="Longest time a request of each executed batch waited for it.",
         )
         self._engine_s = meter.create_histogram(
             ENGINE_DURATION, unit="s", description="Engine time of one executed batch."
@@ -165,12 +167,19 @@ class Metrics:
         self._live.windows["end_to_end"].observe(duration_s)
 
     def observe_queue_waits(self, model: str, version: str, durations_s: list[float]) -> None:
-        """How long each request of one executed batch waited for it."""
-        attributes = {"model": model, "version": version}
+        """How long each request of one executed batch waited for it.
+
+        The histogram takes the longest wait, once a batch: an SDK record costs tens of
+        microseconds, and the head of the queue is what the deadlines see. The live window
+        (a plain ring buffer) keeps every request's wait.
+        """
+        if not durations_s:
+            return
         window = self._live.windows["queue"]
         for duration_s in durations_s:
-            self._queue_s.record(duration_s, attributes, _NO_CONTEXT)
             window.observe(duration_s)
+        attributes = {"model": model, "version": version}
+        self._queue_s.record(max(durations_s), attributes, _NO_CONTEXT)
 
     def observe_batch(
         self, model: str, version: str, engine: str, batch_size: int, engine_s: float

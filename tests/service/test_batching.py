@@ -191,7 +191,7 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
         )
 
     async def scenario() -> list[float]:
-        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1)
+        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1, inline_max_s=0)
         batcher.start()
         deadline = time.monotonic() + 5
         first = asyncio.create_task(batcher.submit(rows_of(8), deadline))
@@ -211,3 +211,26 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
     # Each caller got its own row of its own batch: 0 for single-row batches, and rows 0, 1, 2
     # of the merged batch in deadline order for the three short ones.
     assert scores == [0.0, 0.0, 0.0, 1.0, 2.0]
+
+
+def test_calls_beyond_the_admission_limit_are_refused_at_once(seq_models):
+    """More scoring calls in progress than the limit: the excess is RESOURCE_EXHAUSTED, named as
+    such, and every call admitted is still scored."""
+    server, made = serve(
+        seq_models,
+        base_s=0.05,
+        max_requests_in_progress=3,
+        budget_ms=10000,
+        warmup_iterations=0,
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            outcomes = list(pool.map(lambda i: _try(stub, request(i), 10), range(12)))
+    refused = [o for o in outcomes if isinstance(o, grpc.RpcError)]
+    served = [o for o in outcomes if not isinstance(o, grpc.RpcError)]
+    assert refused and served
+    assert {e.code() for e in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert all("limit 3" in e.details() for e in refused)
+    assert all(o.score == pytest.approx(want(int(o.request_id)), abs=1e-6) for o in served)
+    assert sum(made["seq-mini"].batches) == len(served)

@@ -1,6 +1,9 @@
-"""Settings that take a structured value: the shadow worker's CPU list, pinned versions."""
+"""Settings that take a structured value: the shadow worker's CPU list, pinned versions,
+processes=auto."""
 
 from __future__ import annotations
+
+import os
 
 import pydantic
 import pytest
@@ -48,3 +51,8 @@ def test_pinned_versions_from_the_environment(monkeypatch: pytest.MonkeyPatch, t
     monkeypatch.setenv("RISKSERVE_PINNED_VERSIONS", '["3"]')
     with pytest.raises(pydantic.ValidationError, match="pinned_versions"):
         Settings(models_dir=tmp_path)
+
+
+def test_processes_auto_is_one_per_usable_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RISKSERVE_PROCESSES", "auto")
+    assert Settings(port=50051).processes == len(os.sched_getaffinity(0))

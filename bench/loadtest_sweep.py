@@ -1,0 +1,223 @@
+"""`make loadtest`'s traffic mix at rising offered rates: the highest rate the service holds.
+
+For each server configuration (one process, or one per core) a riskserve server is started on
+127.0.0.1 with its defaults (tracing and metrics on), then locust runs the load test's own mix
+(loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8, long histories,
+ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the same machine. Per
+rate it prints what locust measured (requests, failures, p50, p99), the server's CPU per
+request (its whole process group, from /proc) and its shed count, and at the end the highest
+offered rate with no failures and a locust p99 within the budget: the figure the README's
+load-test default and claims come from.
+
+    .venv/bin/python -m bench.loadtest_sweep --rates 100,200,400,600,800,1000 --duration-s 20
+
+Locust is itself Python on the same cores, so at high rates it takes CPU from the server; its
+latencies include its own scheduling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+LOCUST = REPO / ".venv" / "bin" / "locust"
+RISKSERVE = REPO / ".venv" / "bin" / "riskserve"
+RPS_PER_USER = 10
+
+
+@dataclass(frozen=True)
+class Point:
+    config: str
+    offered_rps: float
+    requests: int
+    failures: int
+    achieved_rps: float
+    p50_ms: float
+    p99_ms: float
+    server_cpu_us_per_request: float
+    shed: float
+
+    @property
+    def clean(self) -> bool:
+        return self.requests > 0 and self.failures == 0
+
+
+def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
+    # The metrics ports of N processes are N consecutive ports from the first.
+    port, metrics_port = free_port(), free_port()
+    env = {
+        "RISKSERVE_PORT": str(port),
+        "RISKSERVE_METRICS_PORT": str(metrics_port),
+        "RISKSERVE_BUDGET_MS": f"{budget_ms:g}",
+        # Kept traces go nowhere in a benchmark; tracing itself stays on, as deployed.
+        "RISKSERVE_TRACE_FILE": "none",
+    }
+    if config != "1-process":
+        env["RISKSERVE_PROCESSES"] = config.split("-", 1)[0]  # "auto", or "2" of "2-processes"
+    argv = (str(RISKSERVE), "serve", "--port", str(port))
+    return ServerSpec(config, argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
+
+
+def _locust(target: str, rate: float, duration_s: float, prefix: Path) -> None:
+    users = max(1, round(rate / RPS_PER_USER))
+    command = [
+        str(LOCUST),
+        "-f",
+        str(REPO / "loadtest" / "locustfile.py"),
+        "--headless",
+        "--only-summary",
+        "--host",
+        target,
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "--rps-per-user",
+        f"{rate / users:g}",
+        "--run-time",
+        f"{duration_s:g}s",
+        "--csv",
+        str(prefix),
+    ]
+    subprocess.run(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _aggregated(prefix: Path) -> dict[str, str]:
+    with Path(f"{prefix}_stats.csv").open() as handle:
+        rows = [r for r in csv.DictReader(handle) if r.get("Name") == "Aggregated"]
+    if not rows:
+        raise RuntimeError(f"no Aggregated row in {prefix}_stats.csv")
+    return rows[0]
+
+
+def _number(row: dict[str, str], key: str) -> float:
+    try:
+        return float(row[key])
+    except (KeyError, ValueError):
+        return math.nan
+
+
+def _processes(config: str) -> int:
+    if config == "1-process":
+        return 1
+    if config == "auto":
+        return len(os.sched_getaffinity(0)) or 1
+    return int(config.split("-", 1)[0])
+
+
+def _shed_total(metrics_port: int, processes: int) -> float:
+    """Requests shed so far, over every server process (each serves metrics on its own port:
+    the first on `metrics_port`, the next one up, and so on)."""
+    try:
+        return sum(
+            metric_sum(scrape_metrics(metrics_port + i), "riskserve_shed_total")
+            for i in range(processes)
+        )
+    except Exception:  # a server without the counter yet, or a slow scrape
+        return math.nan
+
+
+def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) -> list[Point]:
+    spec, metrics_port = _spec(config, budget_ms)
+    processes = _processes(config)
+    points: list[Point] = []
+    with tempfile.TemporaryDirectory(prefix="loadtest-sweep-") as tmp:
+        log = Path(tmp) / f"{config}.log"
+        with ServerProcess(spec, log) as server:
+            _locust(server.target, min(rates), 3.0, Path(tmp) / "warm")  # connect, warm caches
+            for rate in rates:
+                prefix = Path(tmp) / f"{config}-{rate:g}"
+                cpu_before, shed_before = server.cpu_seconds(), _shed_total(metrics_port, processes)
+                started = time.monotonic()
+                _locust(server.target, rate, duration_s, prefix)
+                elapsed_s = time.monotonic() - started
+                cpu_s = server.cpu_seconds() - cpu_before
+                row = _aggregated(prefix)
+                requests = int(_number(row, "Request Count"))
+                point = Point(
+                    config,
+                    rate,
+                    requests,
+                    int(_number(row, "Failure Count")),
+                    requests / duration_s if requests else 0.0,
+                    _number(row, "50%"),
+                    _number(row, "99%"),
+                    cpu_s * 1e6 / requests if requests else math.nan,
+                    _shed_total(metrics_port, processes) - shed_before,
+                )
+                points.append(point)
+                print(_line(point), f"({elapsed_s:.0f} s)", flush=True)
+    return points
+
+
+def _line(p: Point) -> str:
+    return (
+        f"  {p.config:<12} offered {p.offered_rps:>6g}/s  got {p.achieved_rps:>7.1f}/s  "
+        f"failures {p.failures:>5} of {p.requests:>6}  p50 {p.p50_ms:>5g} ms  "
+        f"p99 {p.p99_ms:>5g} ms  server {p.server_cpu_us_per_request:>5.0f} us CPU/req  "
+        f"shed {p.shed:g}"
+    )
+
+
+def report(points: list[Point], budget_ms: float) -> None:
+    print()
+    print(
+        "| server | offered req/s | failures | locust p50 ms | locust p99 ms | server CPU/request |"
+    )
+    print("|---|---|---|---|---|---|")
+    for p in points:
+        print(
+            f"| {p.config} | {p.offered_rps:g} | {p.failures} of {p.requests} | {p.p50_ms:g} | "
+            f"{p.p99_ms:g} | {p.server_cpu_us_per_request:.0f} µs |"
+        )
+    print()
+    for config in dict.fromkeys(p.config for p in points):
+        held = [
+            p.offered_rps
+            for p in points
+            if p.config == config and p.clean and p.p99_ms <= budget_ms
+        ]
+        best = f"{max(held):g} req/s" if held else "none of the rates"
+        print(f"{config}: highest offered rate with 0 failures and p99 <= {budget_ms:g} ms: {best}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--rates", default="100,200,400,600,800,1000", help="req/s, comma-separated"
+    )
+    parser.add_argument("--duration-s", type=float, default=20.0, help="per rate")
+    parser.add_argument("--budget-ms", type=float, default=10.0)
+    parser.add_argument(
+        "--configs",
+        default="1-process,auto",
+        help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), "
+        "comma-separated",
+    )
+    args = parser.parse_args(argv)
+    rates = sorted(float(r) for r in args.rates.split(",") if r)
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(
+        f"make loadtest's mix by locust on this machine ({os.cpu_count()} cores, load average "
+        f"{load}); {args.duration_s:g} s a rate; budget {args.budget_ms:g} ms"
+    )
+    points: list[Point] = []
+    for config in args.configs.split(","):
+        points += sweep(config, rates, args.duration_s, args.budget_ms)
+    report(points, args.budget_ms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
