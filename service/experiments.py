@@ -20,6 +20,7 @@ import numpy as np
 
 from service.batcher import Scored
 from service.codec import RowBatch
+from service.reasons import Explained
 from service.registry import ModelRegistry, ModelVersion, model_feed
 from service.shadow import (
     ExperimentConfig,
@@ -109,12 +110,17 @@ class Experiments:
         rows: RowBatch,
         scored: Scored,
         latency_s: float,
+        explained: Explained | None = None,
     ) -> None:
         """Log each routed row that `model` answered and queue its shadow copy; never waits.
 
         `routes[i]` is row i's route (None: outside the experiment, not logged). Rows that
         share a route and have challengers to shadow go to the shadow worker as one job.
+        `explained` (a one-row request that asked for reasons): the served codes are logged,
+        and the shadow job asks the worker to explain the challengers the same way.
         """
+        if explained is not None and len(routes) != 1:
+            raise ValueError("reasons are logged for one-row requests only")
         if scored.degraded:
             return
         thresholds = model.manifest.thresholds
@@ -138,12 +144,13 @@ class Experiments:
                     latency_ms=latency_ms,
                     mode=route.mode,
                     served=True,
+                    reason_codes=explained.codes if explained is not None else (),
                 )
             )
             if route.shadow_versions:
                 shadowed.setdefault(route, []).append(i)
         for route, positions in shadowed.items():
-            self._shadow(route, model, positions, request_ids, entity_ids, rows, scored)
+            self._shadow(route, model, positions, request_ids, entity_ids, rows, scored, explained)
 
     def _shadow(
         self,
@@ -154,6 +161,7 @@ class Experiments:
         entity_ids: Sequence[str],
         rows: RowBatch,
         scored: Scored,
+        explained: Explained | None,
     ) -> None:
         assert route.experiment is not None
         if self.runner.full:
@@ -177,6 +185,8 @@ class Experiments:
                 champion_scores=scores,
                 champion_version=model.version,
                 mode=route.mode,
+                explain_top_k=explained.top_k if explained is not None else 0,
+                explain_when=explained.when if explained is not None else "always",
             )
         )
 

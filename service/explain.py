@@ -14,8 +14,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
@@ -24,94 +22,55 @@ from riskscoring.v1 import risk_scoring_pb2 as pb
 from service.batcher import Scored
 from service.codec import RowBatch
 from service.errors import InvalidRequest
+from service.reasons import (
+    ADVERSE_DECISIONS,
+    Explained,
+    ExplainWhen,
+    Occlusion,
+    Reason,
+    TopReasonComparison,
+    compare_top_reasons,
+    log_codes,
+)
 
 __all__ = [
+    "ExplainWhen",
     "Explainer",
     "Reason",
     "TopReasonComparison",
     "check_batch",
     "compare_top_reasons",
     "encode_reasons",
+    "explained",
     "log_codes",
     "score_explained",
 ]
 
-ExplainWhen = Literal["always", "adverse"]
 Submit = Callable[[RowBatch, float], Awaitable[Scored]]
 
-# Contributions are rounded to this many logits before ranking, so that float noise between
-# batches of different shapes (about 1e-6) cannot swap two reasons of equal weight.
-_QUANTUM = 1e-4
-# Scores are clipped this far from 0 and 1 before the logit (float32 reaches 1.0 exactly).
-_EPS = 1e-7
-_ADVERSE = ("REVIEW", "DECLINE")
 
-
-@dataclass(frozen=True, slots=True)
-class Reason:
-    """One adverse reason: a code, its text, the features behind it and its logit contribution."""
-
-    code: str
-    text: str
-    features: tuple[str, ...]
-    contribution: float
-
-
-class Explainer:
-    """A model's reason codes as arrays: builds occlusion blocks and ranks their scores."""
-
-    def __init__(self, manifest: Manifest) -> None:
-        self.codes = manifest.reason_codes
-        index = {name: i for i, name in enumerate(manifest.features)}
-        n = len(self.codes)
-        self._occluded = np.zeros((n, manifest.n_features), dtype=bool)
-        self._baselines = np.zeros((n, manifest.n_features), dtype=np.float32)
-        for i, code in enumerate(self.codes):
-            columns = [index[f] for f in code.features]
-            self._occluded[i, columns] = True
-            self._baselines[i, columns] = code.baselines
-        self._no_history = np.array([c.history for c in self.codes], dtype=bool)
-        self._features = tuple(c.features + (("history",) if c.history else ()) for c in self.codes)
-
-    @property
-    def block_rows(self) -> int:
-        return 1 + len(self.codes)
+class Explainer(Occlusion):
+    """`Occlusion` over the request path's `RowBatch`: one block per explained request."""
 
     def block(self, rows: RowBatch) -> RowBatch:
         """The one-row `rows`, then one row per code with that code's inputs at baseline."""
-        assert rows.rows == 1, "a block explains one row"
-        n = self.block_rows
-        features = np.empty((n, rows.features.shape[1]), dtype=np.float32)
-        features[0] = rows.features[0]
-        features[1:] = np.where(self._occluded, self._baselines, rows.features[0])
-        if rows.history is None or rows.mask is None:
-            return RowBatch(features, None, None)
-        history = np.broadcast_to(rows.history, (n, *rows.history.shape[1:])).copy()
-        mask = np.broadcast_to(rows.mask, (n, rows.mask.shape[1])).copy()
-        mask[1:][self._no_history] = 0.0
-        history[1:][self._no_history] = 0.0
-        return RowBatch(features, history, mask)
-
-    def reasons(self, scores: np.ndarray, top_k: int) -> tuple[Reason, ...]:
-        """The `top_k` adverse reasons from a block's scores, largest first, ties by code."""
-        if top_k <= 0 or not np.isfinite(scores).all():
-            return ()
-        logits = _logit(scores)
-        ranked = []
-        for i, code in enumerate(self.codes):
-            contribution = round((logits[0] - logits[1 + i]) / _QUANTUM) * _QUANTUM
-            if contribution > 0:
-                ranked.append((-contribution, code.code, i))
-        ranked.sort()
-        return tuple(
-            Reason(self.codes[i].code, self.codes[i].text, self._features[i], -negative)
-            for negative, _, i in ranked[:top_k]
+        features, history, mask = self.occluded(rows.features, rows.history, rows.mask)
+        if history is None or mask is None or rows.history is None or rows.mask is None:
+            return RowBatch(np.concatenate([rows.features, features]), None, None)
+        return RowBatch(
+            np.concatenate([rows.features, features]),
+            np.concatenate([rows.history, history]),
+            np.concatenate([rows.mask, mask]),
         )
 
 
-def _logit(scores: np.ndarray) -> np.ndarray:
-    p = np.clip(scores.astype(np.float64), _EPS, 1.0 - _EPS)
-    return np.log(p) - np.log1p(-p)
+def explained(
+    request: pb.ScoreRequest, default_when: ExplainWhen, reasons: Sequence[Reason]
+) -> Explained | None:
+    """What a request asked of reasons and the codes it got, for the log; None if it asked none."""
+    if request.explain_top_k <= 0:
+        return None
+    return Explained(request.explain_top_k, _when(request, default_when), tuple(log_codes(reasons)))
 
 
 # Explainers of the manifests seen, newest last; bounded so reloads cannot grow it.
@@ -171,7 +130,7 @@ async def score_explained(
         if (
             scored.degraded
             or math.isnan(score)
-            or manifest.thresholds.decide(score) not in _ADVERSE
+            or manifest.thresholds.decide(score) not in ADVERSE_DECISIONS
         ):
             return scored, ()
         block = await submit(explainer.block(rows), deadline)
@@ -195,38 +154,3 @@ def encode_reasons(reply: pb.ScoreResponse, reasons: Sequence[Reason]) -> None:
         pb.Reason(code=r.code, text=r.text, features=r.features, contribution=r.contribution)
         for r in reasons
     )
-
-
-def log_codes(reasons: Sequence[Reason], top_k: int = 3) -> list[str]:
-    """The compact form a log record carries: the top codes, largest contribution first."""
-    return [r.code for r in reasons[:top_k]]
-
-
-@dataclass(frozen=True, slots=True)
-class TopReasonComparison:
-    """How often champion and challenger name a different top reason for the same request."""
-
-    pairs: int  # requests where both arms gave at least one reason
-    differing: int
-
-    @property
-    def share(self) -> float | None:
-        return self.differing / self.pairs if self.pairs else None
-
-
-def compare_top_reasons(
-    champion: Sequence[Sequence[str]], challenger: Sequence[Sequence[str]]
-) -> TopReasonComparison:
-    """Compare the arms' code lists (as `log_codes` writes them), paired by request.
-
-    Only requests where both arms gave a reason count: an arm without reasons (it approved, in
-    adverse-only mode) says nothing about which reason comes first.
-    """
-    if len(champion) != len(challenger):
-        raise ValueError(f"{len(champion)} champion records, {len(challenger)} challenger")
-    pairs = differing = 0
-    for ours, theirs in zip(champion, challenger, strict=True):
-        if ours and theirs:
-            pairs += 1
-            differing += ours[0] != theirs[0]
-    return TopReasonComparison(pairs, differing)

@@ -11,8 +11,9 @@ scored back to `RequestRouter.record`, so a challenger never answers a caller it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -20,19 +21,30 @@ from service.batcher import Scored
 from service.codec import RowBatch
 from service.errors import ModelNotFound, Unavailable
 from service.experiments import Experiments
+from service.reasons import Explained
 from service.registry import ModelRegistry, ModelVersion
 from service.shadow import Route
 
 __all__ = ["Assignment", "Recorder", "RequestRouter", "take_rows"]
 
-Recorder = Callable[
-    [ModelVersion, Sequence[Route | None], Sequence[str], Sequence[str], RowBatch, Scored, float],
-    None,
-]
-"""(model, route per row, request ids, entity ids, rows, scored, latency_s) -> None."""
+
+class Recorder(Protocol):
+    """(model, route per row, request ids, entity ids, rows, scored, latency_s, explained)."""
+
+    def __call__(
+        self,
+        model: ModelVersion,
+        routes: Sequence[Route | None],
+        request_ids: Sequence[str],
+        entity_ids: Sequence[str],
+        rows: RowBatch,
+        scored: Scored,
+        latency_s: float,
+        explained: Explained | None = None,
+    ) -> None: ...
 
 
-def _ignore(*_: object) -> None:
+def _ignore(*_: object, **__: object) -> None:
     return None
 
 

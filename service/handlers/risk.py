@@ -92,6 +92,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 rows,
                 scored,
                 time.perf_counter() - started,
+                explain.explained(request, self._explain_when, reasons),
             )
         return reply
 

@@ -10,7 +10,7 @@ Server to worker::
     ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s, log_rolling)  first
     ("version", model, version, model_dir)                  before the first job that needs it
     ("job", model, experiment, versions, champion_version, mode,
-     request_ids, entity_ids, champion_scores, arrays)
+     request_ids, entity_ids, champion_scores, arrays, explain_top_k, explain_when)
 
 Worker to server::
 
@@ -58,6 +58,8 @@ def encode_job(job: ShadowJob) -> bytes:
             job.entity_ids,
             _array(np.asarray(job.champion_scores)),
             arrays,
+            job.explain_top_k,
+            job.explain_when,
         )
     )
 
@@ -67,9 +69,8 @@ def _restore(dtype: str, shape: tuple[int, ...], data: bytes) -> np.ndarray:
 
 
 def decode_job(message: Message) -> ShadowJob:
-    _, model, experiment, versions, champion, mode, request_ids, entity_ids, scores, arrays = (
-        message
-    )
+    (_, model, experiment, versions, champion, mode, request_ids, entity_ids, scores, arrays,
+     top_k, when) = message  # fmt: skip
     return ShadowJob(
         model=model,
         experiment=experiment,
@@ -80,6 +81,8 @@ def decode_job(message: Message) -> ShadowJob:
         champion_scores=_restore(*scores),
         champion_version=champion,
         mode=mode,
+        explain_top_k=top_k,
+        explain_when=when,
     )
 
 

@@ -17,6 +17,8 @@ class ShadowJob:
 
     `inputs` hold the engine arrays named as the champion's ONNX inputs, batch dimension first,
     one row per `request_ids` entry; `champion_scores` are what `champion_version` served.
+    With `explain_top_k` > 0 the served request asked for reasons: the worker explains each
+    challenger the same way, always or (`explain_when` "adverse") for its REVIEW or DECLINE.
     """
 
     model: str
@@ -28,6 +30,8 @@ class ShadowJob:
     champion_scores: np.ndarray
     champion_version: str
     mode: Literal["shadow", "ab"] = "shadow"
+    explain_top_k: int = 0
+    explain_when: Literal["always", "adverse"] = "always"
 
     def __post_init__(self) -> None:
         rows = len(self.request_ids)

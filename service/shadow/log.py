@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.fs as pafs
 
-from service.shadow.record import RECORD_SCHEMA, ExperimentRecord, records_to_table
+from service.shadow.record import RECORD_SCHEMA, ExperimentRecord, conform, records_to_table
 from service.shadow.storage import (
     default_replica_id,
     resolve_prefix,
@@ -99,6 +99,8 @@ def read_spool(path: Path) -> pa.Table:
                 batches.append(batch)
     except (pa.ArrowInvalid, OSError, EOFError):
         pass  # a truncated tail: everything before it is whole
+    if batches and batches[0].schema != RECORD_SCHEMA:  # spooled by an older release
+        return conform(pa.Table.from_batches(batches))
     return pa.Table.from_batches(batches, RECORD_SCHEMA)
 
 

@@ -9,7 +9,13 @@ from typing import Literal
 
 import pyarrow as pa
 
-__all__ = ["RECORD_SCHEMA", "ExperimentRecord", "columns_to_table", "records_to_table"]
+__all__ = [
+    "RECORD_SCHEMA",
+    "ExperimentRecord",
+    "columns_to_table",
+    "conform",
+    "records_to_table",
+]
 
 RECORD_SCHEMA = pa.schema(
     [
@@ -27,6 +33,8 @@ RECORD_SCHEMA = pa.schema(
         pa.field("mode", pa.string(), nullable=False),
         pa.field("served", pa.bool_(), nullable=False),
         pa.field("replica_id", pa.string(), nullable=False),
+        # Absent from logs written before reasons were logged: read as null, meaning none.
+        pa.field("reason_codes", pa.list_(pa.string())),
     ]
 )
 
@@ -47,6 +55,9 @@ class ExperimentRecord:
     latency_ms: float
     mode: Literal["shadow", "ab"]
     served: bool
+    reason_codes: tuple[str, ...] = ()
+    """This arm's top reason codes, largest contribution first; empty when none were asked or
+    given (an approval in "adverse" mode)."""
     time_ns: int = 0
     """UTC wall-clock time in ns since the epoch; 0 means "now" when the record is logged."""
 
@@ -74,10 +85,24 @@ def records_to_table(stamped: list[tuple[ExperimentRecord, int]], replica_id: st
         "mode": [r.mode for r in records],
         "served": [r.served for r in records],
         "replica_id": [replica_id] * len(records),
+        "reason_codes": [list(r.reason_codes) for r in records],
     }
     return columns_to_table(columns)
 
 
 def columns_to_table(columns: Mapping[str, object]) -> pa.Table:
-    """One table in `RECORD_SCHEMA` from a column per field (lists, numpy or Arrow arrays)."""
-    return pa.Table.from_pydict(dict(columns), schema=RECORD_SCHEMA)
+    """One table in `RECORD_SCHEMA` from a column per field (lists, numpy or Arrow arrays);
+    without ``reason_codes`` no record has reasons."""
+    data = dict(columns)
+    if "reason_codes" not in data:
+        rows = len(data["request_id"])  # type: ignore[arg-type]
+        data["reason_codes"] = pa.nulls(rows, RECORD_SCHEMA.field("reason_codes").type)
+    return pa.Table.from_pydict(data, schema=RECORD_SCHEMA)
+
+
+def conform(table: pa.Table) -> pa.Table:
+    """A table written before ``reason_codes`` was logged, in `RECORD_SCHEMA` (null codes)."""
+    if "reason_codes" in table.schema.names:
+        return table.select(RECORD_SCHEMA.names).cast(RECORD_SCHEMA)
+    field = RECORD_SCHEMA.field("reason_codes")
+    return table.append_column(field, pa.nulls(len(table), field.type)).cast(RECORD_SCHEMA)

@@ -20,6 +20,7 @@ import numpy as np
 from engines.base import Engine
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
+from service.reasons import ADVERSE_DECISIONS, Occlusion, log_codes
 from service.shadow.job import ShadowJob
 from service.shadow.log import ExperimentLog
 from service.shadow.record import ExperimentRecord
@@ -49,12 +50,14 @@ class ChallengerScorer:
         self._dirs: dict[Key, Path] = {}
         self._manifests: dict[Key, Manifest] = {}
         self._engines: dict[Key, Engine] = {}
+        self._occlusions: dict[Key, Occlusion] = {}
 
     def add_version(self, model: str, version: str, model_dir: Path) -> None:
         """Where a version's files are; a version announced again has new files: reload them."""
         key = (model, version)
         self._dirs[key] = model_dir
         self._manifests.pop(key, None)
+        self._occlusions.pop(key, None)
         engine = self._engines.pop(key, None)
         if engine is not None:
             engine.close()
@@ -119,25 +122,59 @@ class ChallengerScorer:
         champion = self._manifest((model, champion_version))
         challenger = self._manifest((model, version))
         engine = self._engine((model, version))
-        feed = merge([challenger_feed(challenger, champion, job.inputs) for job in jobs])
-        rows = sum(len(job.request_ids) for job in jobs)
+        feeds = [challenger_feed(challenger, champion, job.inputs) for job in jobs]
+        starts = np.cumsum([0] + [len(job.request_ids) for job in jobs])
+        rows = int(starts[-1])
+        occlusion = self._occlusion((model, version))
+        explaining = _explaining(jobs) if occlusion.codes else []
+        # "always" rows: their occluded rows join the plain rows in the same engine call.
+        always = [(j, i) for j, i in explaining if jobs[j].explain_when == "always"]
+        scores, latency_s = self._infer(
+            engine, challenger, merge(feeds + [_occluded(occlusion, challenger, feeds[j], i)
+                                               for j, i in always])
+        )  # fmt: skip
+        codes = _codes(occlusion, jobs, always, starts, scores[:rows], scores[rows:])
+        # "adverse" rows: explained, as the champion does, only on a REVIEW or DECLINE of their own.
+        adverse = [
+            (j, i)
+            for j, i in explaining
+            if jobs[j].explain_when == "adverse"
+            and challenger.thresholds.decide(float(scores[starts[j] + i])) in ADVERSE_DECISIONS
+        ]
+        if adverse:
+            blocks, _ = self._infer(
+                engine, challenger,
+                merge([_occluded(occlusion, challenger, feeds[j], i) for j, i in adverse]),
+            )  # fmt: skip
+            codes.update(_codes(occlusion, jobs, adverse, starts, scores[:rows], blocks))
+        for j, job in enumerate(jobs):
+            for i in range(len(job.request_ids)):
+                row = int(starts[j]) + i
+                outcome.decision_flips += self._log_row(
+                    job, i, version, float(scores[row]), engine.name, float(latency_s[row]),
+                    challenger, champion, codes.get((j, i), ()),
+                )  # fmt: skip
+
+    def _infer(
+        self, engine: Engine, manifest: Manifest, feed: Mapping[str, np.ndarray]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Scores of every row of `feed`, and the engine time of the call each row was in."""
+        rows = len(feed[manifest.features_input])
         scores = np.empty(rows, dtype=np.float64)
         latency_s = np.empty(rows, dtype=np.float64)
         for start in range(0, rows, self._max_rows):
             end = min(start + self._max_rows, rows)
             chunk = {name: array[start:end] for name, array in feed.items()}
             started = time.perf_counter()
-            output = engine.infer(chunk)[challenger.output]
+            output = engine.infer(chunk)[manifest.output]
             latency_s[start:end] = time.perf_counter() - started
             scores[start:end] = np.asarray(output, dtype=np.float64).reshape(-1)
-        row = 0
-        for job in jobs:
-            for i in range(len(job.request_ids)):
-                outcome.decision_flips += self._log_row(
-                    job, i, version, float(scores[row]), engine.name, float(latency_s[row]),
-                    challenger, champion,
-                )  # fmt: skip
-                row += 1
+        return scores, latency_s
+
+    def _occlusion(self, key: Key) -> Occlusion:
+        if key not in self._occlusions:
+            self._occlusions[key] = Occlusion(self._manifest(key))
+        return self._occlusions[key]
 
     def _log_row(
         self,
@@ -149,6 +186,7 @@ class ChallengerScorer:
         latency_s: float,
         challenger: Manifest,
         champion: Manifest,
+        reason_codes: tuple[str, ...] = (),
     ) -> int:
         decision = challenger.thresholds.decide(score)
         self._log.log(
@@ -165,9 +203,53 @@ class ChallengerScorer:
                 latency_ms=latency_s * 1e3,
                 mode=job.mode,
                 served=False,
+                reason_codes=reason_codes,
             )
         )
         return int(decision != champion.thresholds.decide(float(job.champion_scores[i])))
+
+
+def _explaining(jobs: Sequence[ShadowJob]) -> list[tuple[int, int]]:
+    """(job, row) of every row whose served request asked for reasons."""
+    return [
+        (j, i)
+        for j, job in enumerate(jobs)
+        if job.explain_top_k > 0
+        for i in range(len(job.request_ids))
+    ]
+
+
+def _occluded(
+    occlusion: Occlusion, manifest: Manifest, feed: Mapping[str, np.ndarray], i: int
+) -> dict[str, np.ndarray]:
+    """The occluded rows of row `i` of a challenger feed, as a feed of their own."""
+    spec = manifest.history
+    features = feed[manifest.features_input][i : i + 1]
+    history = feed[spec.input][i : i + 1] if spec is not None else None
+    mask = feed[spec.mask_input][i : i + 1] if spec is not None else None
+    features, history, mask = occlusion.occluded(features, history, mask)
+    out = {manifest.features_input: features}
+    if spec is not None and history is not None and mask is not None:
+        out[spec.input], out[spec.mask_input] = history, mask
+    return out
+
+
+def _codes(
+    occlusion: Occlusion,
+    jobs: Sequence[ShadowJob],
+    explained: Sequence[tuple[int, int]],
+    starts: np.ndarray,
+    plain: np.ndarray,
+    occluded: np.ndarray,
+) -> dict[tuple[int, int], tuple[str, ...]]:
+    """Each explained row's logged codes: its own score, then its occluded rows' in order."""
+    n = len(occlusion.codes)
+    codes = {}
+    for k, (j, i) in enumerate(explained):
+        row = int(starts[j]) + i
+        block = np.concatenate([plain[row : row + 1], occluded[k * n : (k + 1) * n]])
+        codes[(j, i)] = tuple(log_codes(occlusion.reasons(block, jobs[j].explain_top_k)))
+    return codes
 
 
 def challenger_feed(

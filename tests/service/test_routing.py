@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from liveserver import LiveServer
+from liveserver import experiment_server as live_experiments
 from modelkit import write_sequence_model
 from waiting import wait_until
 
@@ -98,18 +99,7 @@ def models(tmp_path: Path) -> Path:
 
 
 def experiment_server(models: Path, config: Path, logs: Path, **settings: object) -> LiveServer:
-    return LiveServer(
-        models_dir=models,
-        experiments_file=config,
-        shadow_log_prefix=str(logs),
-        shadow_flush_interval_s=0.1,
-        shadow_max_file_age_s=0.2,  # records reach Parquet files soon after they are served
-        default_model=MODEL,
-        budget_ms=5000,
-        onnx_variants=False,
-        tensorrt=False,
-        **settings,
-    )
+    return live_experiments(models, config, logs, MODEL, **settings)
 
 
 def test_every_path_answers_unversioned_calls_with_the_champion_and_logs_them(models, tmp_path):

@@ -123,3 +123,21 @@ def server_process(
                 proc.wait(timeout=10)
         drain.join(timeout=10)
         proc.stdout.close()
+
+
+def experiment_server(
+    models: Path, config: Path, logs: Path, default_model: str, **settings: Any
+) -> LiveServer:
+    """A live server running the experiments of `config`, its records soon in Parquet files."""
+    return LiveServer(
+        models_dir=models,
+        experiments_file=config,
+        shadow_log_prefix=str(logs),
+        shadow_flush_interval_s=0.1,
+        shadow_max_file_age_s=0.2,  # records reach Parquet files soon after they are served
+        default_model=default_model,
+        budget_ms=5000,
+        onnx_variants=False,
+        tensorrt=False,
+        **settings,
+    )

@@ -24,6 +24,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from engines.manifest import Thresholds
+from service.reasons import TopReasonComparison
 from service.shadow.report import stats
 from service.shadow.report.dataset import open_records, sql_text
 from service.shadow.report.labels import load_labels
@@ -117,6 +118,9 @@ class Comparison:
     """Challenger AUC minus champion AUC."""
     auc_difference_method: str | None
     verdict: str
+    top_reason: TopReasonComparison | None = None
+    """Over the paired requests where both arms gave reason codes: how many there are, and in
+    how many the arms' top codes differ. None when no record of the log has reason codes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,6 +260,9 @@ def _report(
     records, first, last, experiment_name, model, modes, replicas = overview
     say("records read", int(records))
     arms = _arm_keys(con)
+    with_reasons = bool(
+        con.execute("SELECT bool_or(len(reason_codes) > 0) FROM records").fetchall()[0][0]
+    )
     summaries: list[ArmSummary] = []
     parts: dict[tuple[str, str], _AucParts | None] = {}
     champion_scores: np.ndarray | None = None  # every champion version's, sorted
@@ -288,6 +295,8 @@ def _report(
                 con, options, version, drift[version],
                 champion_parts[0] if len(champion_parts) == 1 else None, parts[(arm, version)],
             )  # fmt: skip
+            if with_reasons:
+                comparison = replace(comparison, top_reason=_top_reasons(con, version))
             comparisons.append(comparison)
             say(f"challenger {version} compared", comparison.pairs)
     return Report(
@@ -581,6 +590,16 @@ def _compare(
         auc_difference_method=method if delta is not None else None,
         verdict=_verdict(delta),
     )
+
+
+def _top_reasons(con: duckdb.DuckDBPyConnection, version: str) -> TopReasonComparison:
+    """`reasons.compare_top_reasons` in SQL: requests paired by id, both arms with a reason."""
+    top = "SELECT request_id, reason_codes[1] AS code FROM records WHERE len(reason_codes) > 0"
+    pairs, differing = con.execute(
+        f"SELECT count(*), count(*) FILTER (c.code <> h.code) FROM ({top} AND arm = 'champion') c "
+        f"JOIN ({top} AND {_where('challenger', version)}) h ON c.request_id = h.request_id"
+    ).fetchall()[0]
+    return TopReasonComparison(int(pairs), int(differing))
 
 
 def _paired_passes(

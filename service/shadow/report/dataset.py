@@ -45,10 +45,13 @@ def open_records(
     if isinstance(fs, pafs.LocalFileSystem):
         if not Path(root).is_dir() or next(Path(root).rglob("*.parquet"), None) is None:
             raise NoRecords(f"nothing under {prefix}")
-        con.execute(
-            "CREATE OR REPLACE TEMP VIEW source AS SELECT * FROM read_parquet("
-            f"{sql_text(root + '/**/*.parquet')}, hive_partitioning = false)"
-        )
+        # By name: files written before a column was added lack it (read as null).
+        files = f"read_parquet({sql_text(root + '/**/*.parquet')}, hive_partitioning = false, " \
+            "union_by_name = true)"  # fmt: skip
+        columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {files}").fetchall()}
+        # A log older than reason codes: none of its records has any.
+        codes = "" if "reason_codes" in columns else ", NULL::VARCHAR[] AS reason_codes"
+        con.execute(f"CREATE OR REPLACE TEMP VIEW source AS SELECT *{codes} FROM {files}")
     else:
         try:
             dataset = pads.dataset(root, schema=RECORD_SCHEMA, format="parquet", filesystem=fs)

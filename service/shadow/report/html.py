@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from service.reasons import TopReasonComparison
 from service.shadow.report.build import DECISIONS, Report
 
 __all__ = ["render_html"]
@@ -53,6 +54,7 @@ def render_html(report: Report) -> str:
                     ["KS statistic", comparison.ks_statistic],
                     ["KS p-value", comparison.ks_pvalue],
                     ["AUC difference (challenger - champion)", _ci(comparison.auc_difference)],
+                    *_top_reason_rows(comparison.top_reason),
                 ],
             ),
             "<h3>Decisions: champion (rows) x challenger (columns)</h3>",
@@ -70,6 +72,16 @@ def render_html(report: Report) -> str:
         f"<title>Experiment {_e(report.experiment)}</title><style>{_STYLE}</style></head>"
         f"<body>{body}<p><small>generated {_e(report.generated_at)}</small></p></body></html>"
     )
+
+
+def _top_reason_rows(figure: TopReasonComparison | None) -> list[list[Any]]:
+    if figure is None:
+        return []
+    share = math.nan if figure.share is None else figure.share
+    return [
+        ["pairs where both arms gave reasons", figure.pairs],
+        ["top reason differs", share],
+    ]
 
 
 def _e(text: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from service.reasons import TopReasonComparison
 from service.shadow.report.build import Report
 from service.shadow.report.stats import Interval
 
@@ -37,6 +38,11 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _units(unit: str) -> str:
     return {"entity": "entities", "request": "requests"}.get(unit, unit)
+
+
+def _top_reason(figure: TopReasonComparison) -> str:
+    share = "n/a" if figure.share is None else f"{100 * figure.share:.2f}%"
+    return f"{share} of {figure.pairs:,} requests where both arms gave reasons"
 
 
 def render_summary(report: Report) -> str:
@@ -77,4 +83,6 @@ def render_summary(report: Report) -> str:
             f"flips {c.decision_flips:,}",
             f"  verdict: {c.verdict}",
         ]
+        if c.top_reason is not None:
+            lines.append(f"  top reason differs: {_top_reason(c.top_reason)}")
     return "\n".join(lines)
