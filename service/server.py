@@ -92,7 +92,7 @@ def default_engine_workers() -> int:
     """Engine threads per model when not configured: half the cores, between 1 and 4.
 
     The event loop and gRPC's own threads need the other half. On two cores one worker gave
-    lower p99 in most runs and more throughput at 16 callers than two (docs/benchmarks.md): a
+    lower p99 in most runs and more throughput at 16 callers than two (bench.compare): a
     second batch in flight only competes for the same cores and makes the batches smaller.
     """
     return max(1, min(4, (os.cpu_count() or 2) // 2))

@@ -25,7 +25,10 @@ __all__ = ["configure_parser", "run_shadow_report", "shadow_report_main"]
 
 def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the subcommand's options to `parser` (a subparser of the main CLI or a fresh one)."""
-    parser.add_argument("--prefix", required=True, help="log folder or URI of one experiment")
+    parser.add_argument(
+        "--prefix",
+        help="log folder or URI (default: RISKSERVE_SHADOW_LOG_PREFIX, as the server writes it)",
+    )
     parser.add_argument("--experiment", help="experiment name when the prefix holds several")
     parser.add_argument("--labels", help="labels file (CSV or Parquet) to measure quality")
     parser.add_argument("--start", type=_utc, help="ISO 8601 start (inclusive); naive = UTC")
@@ -53,11 +56,19 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     return parser
 
 
+def _settings_prefix() -> str:
+    """Where the server writes its experiment logs: the same setting it reads."""
+    from service.config import Settings
+
+    return Settings().shadow_log_prefix
+
+
 def run_shadow_report(args: argparse.Namespace) -> int:
     """Run with parsed options; prints the key table, returns the exit status."""
+    prefix = args.prefix or _settings_prefix()
     try:
         report = build_report(
-            args.prefix,
+            prefix,
             start=args.start,
             end=args.end,
             labels_path=args.labels,

@@ -338,3 +338,13 @@ def test_label_keys_are_text(tmp_path: Path) -> None:
     report = build_report(str(tmp_path / "logs"), labels_path=str(labels))
     assert report.arms[0].labels is not None
     assert (report.arms[0].labels.labelled, report.arms[0].labels.positives) == (2, 1)
+
+
+def test_the_prefix_defaults_to_the_servers_log_setting(
+    experiment: tuple[Path, Path, Traffic],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("RISKSERVE_SHADOW_LOG_PREFIX", str(experiment[0]))
+    assert shadow_report_main(["--quiet"]) == 0
+    assert f"{2 * N:,}" in capsys.readouterr().out
