@@ -60,7 +60,7 @@ def _settings_prefix() -> str:
     """Where the server writes its experiment logs: the same setting it reads."""
     from service.config import Settings
 
-    return Settings().shadow_log_prefix
+    return Settings().shadow_log_prefix  # type: ignore[call-arg]  # fields from the environment
 
 
 def run_shadow_report(args: argparse.Namespace) -> int:
