@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     max_queue_delay_us: int = Field(
         0, ge=0, description="Extra wait for a fuller batch when the engine is idle."
     )
+    engine_inline_max_us: int = Field(
+        3000,
+        ge=0,
+        description="Batches expected to run at most this long run on the event loop instead of "
+        "an engine thread (engines that cannot hang only); 0 = every batch on an engine thread.",
+    )
     engine_workers: int = Field(
         0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."
     )

@@ -204,6 +204,7 @@ class ModelRegistry:
         max_queue_rows: int,
         workers: int,
         max_queue_delay_s: float,
+        inline_max_s: float = INLINE_MAX_S,
         warmup_iterations: int,
         degrade_on_deadline: bool,
         telemetry: Telemetry | None = None,
@@ -215,6 +216,7 @@ class ModelRegistry:
         self._max_queue_rows = max_queue_rows
         self._workers = workers
         self._max_queue_delay_s = max_queue_delay_s
+        self._inline_max_s = inline_max_s
         self._warmup_iterations = warmup_iterations
         self._degrade = degrade_on_deadline
         self._telemetry = telemetry
@@ -400,7 +402,9 @@ class ModelRegistry:
             labels=(manifest.name, manifest.version),
             # A call that can hang must not hold the event loop: then every batch goes to the
             # engine threads.
-            inline_max_s=0.0 if any(e.can_hang for e in (*engines, fallback)) else INLINE_MAX_S,
+            inline_max_s=0.0
+            if any(e.can_hang for e in (*engines, fallback))
+            else self._inline_max_s,
         )
         model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
         if len(pool.engines) > 1:
