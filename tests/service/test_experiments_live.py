@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from liveserver import LiveServer, server_process
 from modelkit import write_sequence_model
-from prometheus_client.parser import text_string_to_metric_families
+from scrape import scraped_total
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -178,14 +177,7 @@ def spooled_rows(logs) -> int:
 
 
 def scraped_drops(url: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "riskserve_shadow_drops_total" and s.labels.get("model") == "seq-mini"
-    )
+    return scraped_total(url, "riskserve_shadow_drops_total", model="seq-mini")
 
 
 def test_full_shadow_queue_drops_copies_and_counts_each_one(setup):

@@ -9,7 +9,6 @@ import shutil
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -18,7 +17,7 @@ import onnxruntime as ort
 import pytest
 from liveserver import LiveServer, server_process
 from modelkit import write_tabular_model
-from prometheus_client.parser import text_string_to_metric_families
+from scrape import scraped_total
 from waiting import wait_until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
@@ -138,14 +137,7 @@ def replace_files(source: Path, target: Path) -> None:
 
 
 def reloads(url: str, outcome: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == "riskserve_model_reloads_total" and s.labels.get("outcome") == outcome
-    )
+    return scraped_total(url, "riskserve_model_reloads_total", outcome=outcome)
 
 
 def test_version_replaced_in_place_is_served_after_one_scan_under_load(tmp_path):

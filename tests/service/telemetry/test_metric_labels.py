@@ -13,6 +13,7 @@ from fakes import fake_factory
 from liveserver import LiveServer
 from modelkit import write_sequence_model
 from prometheus_client.parser import text_string_to_metric_families
+from scrape import scraped_total
 from waiting import until
 
 from inference import grpc_service_pb2 as oip
@@ -33,14 +34,7 @@ def _series(url: str) -> list[tuple[str, dict[str, str]]]:
 
 
 def _requests_counted(url: str) -> float:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        text = response.read().decode()
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "riskserve_requests_total"
-    )
+    return scraped_total(url, "riskserve_requests_total")
 
 
 def _name(rng: random.Random) -> str:
