@@ -151,6 +151,37 @@ def test_every_path_answers_unversioned_calls_with_the_champion_and_logs_them(mo
     assert shadows["r3"]["score"] == pytest.approx(direct(v2, reqs)[3], abs=1e-5)
 
 
+def test_stream_messages_follow_the_routing_rule_and_are_logged(models, tmp_path):
+    """ScoreStream and ModelStreamInfer route each message as Score and ModelInfer do."""
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    write_experiment(config, mode="shadow")
+    v1 = models / MODEL / "1"
+    reqs = [score_request(i) for i in range(10, 14)]
+    oip_request = infer_request(reqs[2:4], "stream-inf", entity_id="acct-stream")
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        infer = oip_grpc.GRPCInferenceServiceStub(channel)
+        scored = list(risk.ScoreStream(iter(reqs[:2]), timeout=10))
+        inferred = list(infer.ModelStreamInfer(iter([oip_request]), timeout=10))
+
+        champion = direct(v1, reqs)
+        assert sorted(r.request_id for r in scored) == ["r10", "r11"]
+        assert {r.model_version for r in scored} == {"1"}
+        by_id = {r.request_id: r.score for r in scored}
+        assert [by_id["r10"], by_id["r11"]] == pytest.approx(champion[:2], abs=1e-6)
+        assert [m.error_message for m in inferred] == [""]
+        reply = inferred[0].infer_response
+        assert reply.model_version == "1" and reply.id == "stream-inf"
+        scores = np.frombuffer(reply.raw_output_contents[0], "<f4").tolist()
+        assert scores == pytest.approx(champion[2:4], abs=1e-6)
+
+        logged = {"r10", "r11", "stream-inf/0", "stream-inf/1"}
+        wait_until(lambda: logged <= set(served_records(logs)))
+    served = served_records(logs)
+    assert {served[i]["version"] for i in logged} == {"1"}
+    assert served["stream-inf/0"]["entity_id"] == "acct-stream"
+
+
 def _fields(request: pb.ScoreRequest) -> dict:
     return {
         "request_id": request.request_id,
