@@ -8,7 +8,6 @@ import queue
 import signal
 import socket
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -16,6 +15,7 @@ import pytest
 from fakes import fake_factory
 from liveserver import LiveServer, server_process
 from modelkit import write_sequence_model
+from waiting import wait_until
 
 from riskclient import RiskClient, ScoringError
 from riskscoring.v1 import risk_scoring_pb2 as pb
@@ -43,13 +43,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def until(condition, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_sigterm_answers_every_message_read_before_the_stream_closes(models):
@@ -102,15 +95,16 @@ def test_sigterm_answers_every_message_read_before_the_stream_closes(models):
     assert sorted(r.request_id for r in replies) == sorted(f"m{i}" for i in range(MESSAGES))
 
 
-def _serve(models, port: int):
+def _serve(models, port: int, *, hold: bool = False):
+    """`hold`: a lone request waits long for company, so it is in flight when the server dies."""
     env = {
         "RISKSERVE_DEFAULT_MODEL": "seq-mini",
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_BUDGET_MS": "20000",
-        # A lone request waits this long for company: it is in flight when the server dies.
-        "RISKSERVE_MAX_QUEUE_DELAY_US": "10000000",
         "RISKSERVE_MAX_BATCH_SIZE": "64",
     }
+    if hold:
+        env["RISKSERVE_MAX_QUEUE_DELAY_US"] = "10000000"
     return server_process(models, **env)
 
 
@@ -122,9 +116,9 @@ def test_the_stream_client_reconnects_when_the_server_goes_away(models, resend):
         client.stream(resend_unanswered=resend) as stream,
     ):
         with ThreadPoolExecutor(3) as pool:
-            with _serve(models, port) as (first, _):
+            with _serve(models, port, hold=True) as (first, _):
                 calls = [pool.submit(stream.score, request(i)) for i in range(3)]
-                until(lambda: stream.sent_unanswered == 3)
+                wait_until(lambda: stream.sent_unanswered == 3)
                 first.kill()  # no drain: what it read is lost with it
                 first.wait(timeout=10)
                 if not resend:
@@ -165,7 +159,7 @@ def test_a_draining_stream_stops_reading_and_answers_what_it_holds(models):
         replies = iter(call)
         assert next(replies).request_id == marker.request_id  # the 20 are read and held
         stopping = asyncio.run_coroutine_threadsafe(server.server.stop(), server._loop)
-        until(lambda: server.server.streams.draining)
+        wait_until(lambda: server.server.streams.draining)
         sent.put(request(50))  # sent after the drain began: not read, so not answered
         hang.set()
         held = []
