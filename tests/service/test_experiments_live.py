@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -17,6 +16,7 @@ import pytest
 from liveserver import LiveServer, server_process
 from modelkit import write_sequence_model
 from scrape import scraped_total
+from waiting import wait_until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -70,7 +70,8 @@ def test_shadow_log_holds_one_record_per_accepted_request(setup, tmp_path):
         "RISKSERVE_BUDGET_MS": "1000",
     }
     served: dict[str, pb.ScoreResponse] = {}
-    with server_process(models, **env) as (proc, target):
+    output: list[str] = []
+    with server_process(models, output=output, **env) as (proc, target):
         with grpc.insecure_channel(target) as channel:
             stub = pb_grpc.RiskScoringStub(channel)
             for i in range(120):
@@ -93,7 +94,10 @@ def test_shadow_log_holds_one_record_per_accepted_request(setup, tmp_path):
                     }
                 )
             )
-            time.sleep(2.5)
+            # A later mtime whatever the filesystem's resolution; the watcher logs the switch.
+            stamp = config.stat().st_mtime + 5
+            os.utime(config, (stamp, stamp))
+            wait_until(lambda: any("experiments reloaded" in line for line in output))
             arms: dict[str, set[str]] = {}
             for i in range(120, 280):
                 reply = stub.Score(request(i), timeout=5)
@@ -189,10 +193,7 @@ def test_full_shadow_queue_drops_copies_and_counts_each_one(setup):
             replies = list(pool.map(lambda i: stub.Score(request(i), timeout=10), range(200)))
         assert {r.model_version for r in replies} == {"1"}
         assert runner.dropped > 0
-        deadline = time.monotonic() + 10
-        while scraped_drops(live.server.telemetry.metrics_url) < runner.dropped:
-            assert time.monotonic() < deadline, "drops never reached the metric"
-            time.sleep(0.2)
+        wait_until(lambda: scraped_drops(live.server.telemetry.metrics_url) >= runner.dropped)
         assert scraped_drops(live.server.telemetry.metrics_url) == runner.dropped
     # Every copy was scored and logged by the worker, or dropped and counted: none lost.
     assert runner.submitted + runner.dropped == 200
@@ -208,17 +209,12 @@ def test_champion_serves_on_while_the_shadow_worker_dies_and_is_replaced(setup):
             stub = pb_grpc.RiskScoringStub(channel)
             for i in range(20):
                 stub.Score(request(i), timeout=5)
-            deadline = time.monotonic() + 30
-            while spooled_rows(logs) < 20:  # on disk: a kill -9 cannot take them back
-                assert time.monotonic() < deadline, "the worker never logged the copies"
-                time.sleep(0.05)
+            wait_until(lambda: spooled_rows(logs) >= 20)  # on disk: a kill -9 cannot take them
             first = runner.worker_pid
             os.kill(first, signal.SIGKILL)
             for i in range(20, 60):  # while the worker is dead and being replaced
                 assert stub.Score(request(i), timeout=5).model_version == "1"
-            while runner.worker_pid in (None, first) or runner.full:
-                assert time.monotonic() < deadline, "the worker was not replaced"
-                time.sleep(0.05)
+            wait_until(lambda: runner.worker_pid not in (None, first) and not runner.full)
             for i in range(60, 80):
                 assert stub.Score(request(i), timeout=5).model_version == "1"
     logged = challenger_ids(logs)

@@ -12,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from liveserver import server_process
 from modelkit import write_sequence_model
+from waiting import wait_until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -43,6 +44,7 @@ class Load:
         self.stub = pb_grpc.RiskScoringStub(self.channel)
         self.stop = threading.Event()
         self.calls: list[tuple[float, grpc.StatusCode]] = []
+        self.answered = [0] * CLIENTS  # each client's OK calls
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._client, args=(k,)) for k in range(CLIENTS)]
 
@@ -57,9 +59,18 @@ class Load:
                 code = exc.code()
             with self._lock:
                 self.calls.append((started, code))
+                self.answered[k] += code == grpc.StatusCode.OK
             i += 1
             if code != grpc.StatusCode.OK:
-                time.sleep(0.01)
+                time.sleep(0.01)  # a refused client backs off, as a real one would
+
+    def answered_clients(self) -> int:
+        with self._lock:
+            return sum(1 for n in self.answered if n >= 2)
+
+    def codes_since(self, moment: float) -> list[grpc.StatusCode]:
+        with self._lock:
+            return [code for started, code in self.calls if started >= moment]
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -99,21 +110,18 @@ def test_sigterm_drains_under_load(models):
     with server_process(models, **env) as (proc, target):
         seen: list[int] = []
         watcher = watch_health(target, seen)
-        deadline = time.monotonic() + 5
-        while not seen and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: bool(seen))
         assert seen == [health_pb2.HealthCheckResponse.SERVING]
         with Load(target) as load:
-            time.sleep(1.5)
-            before = len(load.calls)
+            # Every client has had answers, so each has a call on its way when SIGTERM lands.
+            wait_until(lambda: load.answered_clients() == CLIENTS)
             signalled = time.monotonic()
             proc.send_signal(signal.SIGTERM)
-            while health_pb2.HealthCheckResponse.NOT_SERVING not in seen:
-                assert time.monotonic() - signalled < 2, "health never turned NOT_SERVING"
-                time.sleep(0.005)
-            code = proc.wait(timeout=GRACE_S + 5)
-            exited_s = time.monotonic() - signalled
-            time.sleep(0.2)
+            wait_until(lambda: health_pb2.HealthCheckResponse.NOT_SERVING in seen)
+            # The hang guard only: a grace period that ran out would cancel calls sent before
+            # the signal, which the checks below refuse.
+            code = proc.wait(timeout=GRACE_S + 30)
+            wait_until(lambda: grpc.StatusCode.UNAVAILABLE in load.codes_since(signalled))
         watcher.join(timeout=5)
         # A new call after the stop is refused.
         with grpc.insecure_channel(target) as channel:
@@ -122,8 +130,6 @@ def test_sigterm_drains_under_load(models):
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
 
     assert code == 0
-    assert exited_s < GRACE_S + 2
-    assert before > 20, "the load did not get going"
     sent_before = [c for started, c in load.calls if started < signalled]
     after = [c for started, c in load.calls if started >= signalled]
     # Everything sent before the signal finished OK: none lost.
@@ -137,4 +143,4 @@ def test_sigterm_drains_under_load(models):
     }
     assert after.count(grpc.StatusCode.CANCELLED) <= CLIENTS
     assert grpc.StatusCode.UNAVAILABLE in after
-    print(f"shutdown: {len(sent_before)} calls before SIGTERM, exit after {exited_s:.2f} s")
+    print(f"shutdown: {len(sent_before)} calls before SIGTERM")

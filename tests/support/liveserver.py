@@ -71,10 +71,13 @@ class LiveServer:
 
 @contextmanager
 def server_process(
-    models_dir: Path, argv: tuple[str, ...] = ("-m", "service", "serve"), **env: str
+    models_dir: Path,
+    argv: tuple[str, ...] = ("-m", "service", "serve"),
+    output: list[str] | None = None,
+    **env: str,
 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """`riskserve serve` (or Python with `argv`) in a child process; yields it and its target
-    once it listens."""
+    once it listens. `output`, where given, receives the process's log lines as they come."""
     environ = {
         **os.environ,
         "RISKSERVE_MODELS_DIR": str(models_dir),
@@ -109,7 +112,15 @@ def server_process(
         proc.wait(timeout=10)
         proc.stdout.close()
         raise RuntimeError("server did not start:\n" + "".join(lines))
-    drain = threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    if output is not None:
+        output.extend(lines)
+
+    def drain_output() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            if output is not None:
+                output.append(line)
+
+    drain = threading.Thread(target=drain_output, daemon=True)
     drain.start()
     try:
         yield proc, target

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
 import urllib.request
 
 import grpc
@@ -12,6 +11,7 @@ import pytest
 from fakes import fake_factory
 from liveserver import LiveServer
 from modelkit import write_sequence_model
+from waiting import wait_until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -106,13 +106,15 @@ def test_prometheus_endpoint_counts_requests(models):
         with pytest.raises(grpc.RpcError):
             stub.Score(pb.ScoreRequest(features={"nope": 1.0}), timeout=5)
         url = server.server.telemetry.metrics_url
-        # A call is counted just after its status is sent: poll briefly for the last one.
-        deadline_s = time.monotonic() + 5
-        while True:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
-            if 'status="INVALID_ARGUMENT"' in text or time.monotonic() > deadline_s:
-                break
-            time.sleep(0.02)
+        pages: list[str] = []
+
+        def scraped_the_refusal() -> bool:
+            # A call is counted just after its status is sent: the last one comes a bit later.
+            pages.append(urllib.request.urlopen(url, timeout=5).read().decode())
+            return 'status="INVALID_ARGUMENT"' in pages[-1]
+
+        wait_until(scraped_the_refusal)
+        text = pages[-1]
 
     def value(pattern: str) -> float:
         match = re.search(pattern + r" ([0-9.e+]+)$", text, re.MULTILINE)
