@@ -1,5 +1,8 @@
 """A tiny grpc.aio server whose one unary method sleeps, aborts, raises or fails cleanly.
 
+`took:N` answers at once as a call that took N ms would: its trace starts N ms earlier and
+holds an N ms "work" stage, so a test can make a call slow by any margin without waiting.
+
 It goes through the same `rpc_boundary` as riskserve's own servicers, so its calls are traced,
 tail-sampled and counted exactly as theirs are.
 """
@@ -37,6 +40,12 @@ class EchoServicer:
             await asyncio.sleep(float(argument) / 1e3)
             if trace is not None:
                 trace.add_stage("work", started_ns, time.monotonic_ns(), {"ms": float(argument)})
+        elif command == "took":
+            if trace is not None:
+                took_ns = int(float(argument) * 1e6)
+                trace.start_ns -= took_ns
+                now_ns = time.monotonic_ns()
+                trace.add_stage("work", now_ns - took_ns, now_ns, {"ms": float(argument)})
         elif command == "abort":
             await context.abort(grpc.StatusCode.NOT_FOUND, "no such model")
         elif command == "missing":

@@ -95,12 +95,14 @@ def test_requests_through_the_boundary_are_counted_and_exemplars_name_kept_trace
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
     reader = InMemoryMetricReader()
     telemetry = setup_telemetry(
-        _config(trace_sample_ratio=0.0, trace_slow_ms=50.0), metric_readers=[reader]
+        # Slow from a minute: only the call made to take two minutes (at once) is slow.
+        _config(trace_sample_ratio=0.0, trace_slow_ms=60_000.0),
+        metric_readers=[reader],
     )
 
     async def scenario():
         async with echo_server(telemetry) as stub:
-            for request in (b"sleep:0", b"sleep:0", b"sleep:60", b"abort"):
+            for request in (b"sleep:0", b"sleep:0", b"took:120000", b"abort"):
                 await call(stub, request)
 
     try:

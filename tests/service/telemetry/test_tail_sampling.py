@@ -19,6 +19,10 @@ from service.telemetry import (
 from service.telemetry import tracing as tracing_module
 
 MS = 1_000_000
+# The slow threshold is a minute: a request here that is not made slow takes microseconds, and
+# no loaded machine stretches that to a minute. A slow one is made to have taken two minutes.
+SLOW_NS = 60_000 * MS
+TOOK_SLOW_NS = 2 * SLOW_NS
 OK, NOT_FOUND = 0, 5
 CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
@@ -26,7 +30,7 @@ CALLER_SPAN_ID = "b7ad6b7169203331"
 
 def _tracing(**policy) -> tuple[Tracing, InMemorySpanExporter]:
     exporter = InMemorySpanExporter()
-    values = {"slow_threshold_ns": 5 * MS, "sample_ratio": 0.0}
+    values = {"slow_threshold_ns": SLOW_NS, "sample_ratio": 0.0}
     values.update(policy)
     tracing = Tracing(
         TailSamplingPolicy(**values),
@@ -45,7 +49,7 @@ def _request(tracing: Tracing, *, took_ns: int = 0, metadata=()):
 
 def test_keeps_slow_and_error_traces_with_their_stages_and_drops_fast_ones():
     tracing, exporter = _tracing()
-    slow = _request(tracing, took_ns=6 * MS)
+    slow = _request(tracing, took_ns=TOOK_SLOW_NS)
     now = time.monotonic_ns()
     slow.add_stage("riskserve.queue", now - 3 * MS, now - 1 * MS, {"k": 1})
     assert tracing.end_request(slow, OK) == "slow"
@@ -66,7 +70,7 @@ def test_keeps_slow_and_error_traces_with_their_stages_and_drops_fast_ones():
     assert root.kind is SpanKind.SERVER
     assert root.attributes[SAMPLED_REASON_ATTRIBUTE] == "slow"
     assert root.attributes["rpc.grpc.status_code"] == OK
-    assert root.end_time - root.start_time >= 6 * MS
+    assert root.end_time - root.start_time >= TOOK_SLOW_NS
     error = next(s for s in spans if s.context.span_id == failed.span_id)
     assert error.status.status_code is StatusCode.ERROR
     assert error.status.description == "NOT_FOUND"
@@ -113,7 +117,7 @@ def test_ratio_keeps_the_configured_share_of_fast_traces():
 
 def test_a_batch_span_is_exported_once_with_its_first_kept_request_and_links_them_all():
     tracing, exporter = _tracing()
-    requests = [_request(tracing, took_ns=6 * MS), _request(tracing), _request(tracing)]
+    requests = [_request(tracing, took_ns=TOOK_SLOW_NS), _request(tracing), _request(tracing)]
     batch = tracing.start_batch([*requests, None], {"riskserve.batch.size": 4})
     batch.end({"riskserve.engine": "fake"})
     for request in requests:
@@ -178,7 +182,7 @@ def test_deferred_details_run_on_export_only():
         now = time.monotonic_ns()
         trace.add_stage("riskserve.score", now - 2 * MS, now, {"riskserve.engine": engine})
 
-    slow, fast = _request(tracing, took_ns=6 * MS), _request(tracing)
+    slow, fast = _request(tracing, took_ns=TOOK_SLOW_NS), _request(tracing)
     for trace in (slow, fast):
         trace.defer(details, "fake")
     assert tracing.end_request(fast, OK) == "dropped"
@@ -202,7 +206,7 @@ def test_a_kept_trace_is_built_when_later_calls_back_not_before():
     def later(fn, *args):  # as loop.call_soon: keeps the call for later
         callbacks.append((fn, args))
 
-    slow = _request(tracing, took_ns=6 * MS)
+    slow = _request(tracing, took_ns=TOOK_SLOW_NS)
     fast = _request(tracing)
     assert tracing.end_request(slow, OK, later=later) == "slow"
     assert tracing.end_request(fast, OK, later=later) == "dropped"
