@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import threading
+import time
 
 import grpc
 import numpy as np
@@ -10,9 +13,12 @@ import pytest
 from fakes import expected_score, fake_factory
 from liveserver import LiveServer
 from modelkit import write_sequence_model
+from waiting import until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+from service.batcher import BatchOutcome, MicroBatcher
+from service.codec import RowBatch
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +78,38 @@ def test_concurrent_clients_each_get_their_own_rows(seq_models):
         assert sum(engine.batches) == len(ids)  # each row ran exactly once
 
 
-def test_idle_engine_adds_no_wait(seq_models):
-    """Light load: a lone request is dispatched at once, in a batch of its own."""
-    server, _ = serve(seq_models, base_s=0.001, warmup_iterations=0)
+def test_light_load_runs_each_request_in_a_batch_of_its_own(seq_models):
+    server, made = serve(seq_models, base_s=0.001, warmup_iterations=0)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         replies = [stub.Score(request(i), timeout=5) for i in range(20)]
     assert all(r.timings.batch_size == 1 for r in replies)
-    queue_us = sorted(r.timings.queue_us for r in replies)
-    assert queue_us[len(queue_us) // 2] < 2000
+    assert made["seq-mini"].batches == [1] * 20
+
+
+def test_idle_engine_adds_no_wait():
+    """A lone request on an idle engine is scored within a few turns of the event loop, no
+    timer between; a configured extra wait for company (max_queue_delay) would hold it."""
+
+    def run(rows: RowBatch) -> BatchOutcome:
+        return BatchOutcome(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
+
+    async def scored_at_once(extra_wait_s: float) -> bool:
+        batcher = MicroBatcher(
+            run, max_batch_rows=16, max_queue_rows=64, workers=1, max_queue_delay_s=extra_wait_s
+        )
+        batcher.start()
+        rows = RowBatch(np.zeros((1, 4), np.float32), None, None)
+        scored = asyncio.create_task(batcher.submit(rows, time.monotonic() + 3600))
+        for _ in range(10):
+            await asyncio.sleep(0)  # one turn of the loop: no time passes for a timer
+        at_once = scored.done()
+        await batcher.close(1.0)  # closing dispatches what waits for company
+        assert (await scored).engine == "fake"
+        return at_once
+
+    assert asyncio.run(scored_at_once(0.0))
+    assert not asyncio.run(scored_at_once(3600.0))
 
 
 def test_batching_off_with_max_batch_size_one(seq_models):
@@ -166,15 +195,6 @@ def test_engine_failure_is_internal_and_fans_out(seq_models):
 
 def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
     """Queued behind a busy engine: the short histories go together, the long one next."""
-    import asyncio
-    import threading
-    import time
-
-    from waiting import until
-
-    from service.batcher import BatchOutcome, MicroBatcher
-    from service.codec import RowBatch
-
     release = threading.Event()
     shapes: list[tuple[int, int]] = []
 

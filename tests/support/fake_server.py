@@ -7,6 +7,7 @@ RISKSERVE_* variables as for `riskserve serve`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import sys
 from pathlib import Path
@@ -31,4 +32,5 @@ async def main(models_dir: Path, base_s: float) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     asyncio.run(main(Path(sys.argv[1]), float(sys.argv[2])))

@@ -1,4 +1,5 @@
-"""A replica that logs one record every few ms and prints each accepted id (run as a script).
+"""A replica that logs one record every few ms and prints each accepted id (run as a script),
+with the count of records its log had written to the open file by then.
 
 Usage: python shadow_writer_proc.py PREFIX FLUSH_INTERVAL_S
 On SIGTERM it stops accepting, closes the log (the final flush) and prints "closed".
@@ -33,9 +34,9 @@ def main() -> None:
             )
         )  # fmt: skip
         if accepted:
-            print(f"{i} {time.time_ns()}", flush=True)
+            print(f"{i} {log.written}", flush=True)
         i += 1
-        time.sleep(0.002)
+        time.sleep(0.002)  # a steady trickle, so that a kill finds records not yet flushed
     log.close()
     print("closed", flush=True)
 
