@@ -2,16 +2,16 @@
 
     python tests/loadtest/fake_server.py [--port P]   # prints "PORT <n>" once listening
 
-It validates like the real server is specified to (unknown feature names and NaN are
-INVALID_ARGUMENT; histories longer than 64 rows are "served by the fallback"), so a locust
-run against it exercises every task and the expected-invalid accounting.
+Requests are decoded and validated by the server's own codec against a manifest of the
+stand-in model, so they are refused with the real server's statuses and messages (unknown
+feature names and NaN are INVALID_ARGUMENT); histories longer than 64 rows are "served by the
+fallback". A locust run against it exercises every task and the expected-invalid accounting.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import signal
 import sys
 
@@ -19,8 +19,18 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from engines.manifest import HistorySpec, Manifest, Thresholds
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
+from service.codec import (
+    DECISIONS,
+    RowBatch,
+    decode_infer_request,
+    decode_score_batch,
+    decode_score_request,
+    encode_infer_response,
+)
+from service.errors import ServiceError, status_for
 
 MODEL = "fake-model"
 VERSION = "1"
@@ -28,32 +38,43 @@ FEATURES = (*(f"f{i:02d}" for i in range(30)), "amount", "is_foreign")
 HISTORY_FIELDS = ("amount", "seconds_since", "merchant_risk", "is_online")
 PRIMARY_MAX_ROWS = 64
 MAX_ROWS = 256
+MANIFEST = Manifest(
+    name=MODEL,
+    version=VERSION,
+    features=FEATURES,
+    history=HistorySpec(fields=HISTORY_FIELDS, max_length=MAX_ROWS),
+    thresholds=Thresholds(review=0.5, decline=0.7),
+    max_batch_size=64,
+)
+# --lenient: a server bug the load test must catch: unknown features are ignored, NaN is zeroed.
+LENIENT_MANIFEST = MANIFEST.model_copy(update={"nan_policy": "zero"})
+LENIENT = False
 
 
-class _Invalid(Exception):
-    pass
+def _lenient(request: risk_scoring_pb2.ScoreRequest) -> risk_scoring_pb2.ScoreRequest:
+    for name in set(request.features) - set(FEATURES):
+        del request.features[name]
+    return request
 
 
-LENIENT = False  # --lenient: accept unknown features (a server bug the load test must catch)
+def _decode(request: risk_scoring_pb2.ScoreRequest) -> RowBatch:
+    if LENIENT:
+        return decode_score_request(_lenient(request), LENIENT_MANIFEST)
+    return decode_score_request(request, MANIFEST)
 
 
-def _score(request: risk_scoring_pb2.ScoreRequest) -> risk_scoring_pb2.ScoreResponse:
-    unknown = set(request.features) - set(FEATURES)
-    if unknown and not LENIENT:
-        raise _Invalid(f"unknown features: {sorted(unknown)}")
-    values = [request.features.get(name, 0.0) for name in FEATURES]
-    if not LENIENT and any(math.isnan(v) or math.isinf(v) for v in values):
-        raise _Invalid("NaN or Inf in features")
-    if len(request.history) > MAX_ROWS:
-        raise _Invalid("history too long")
-    if any(len(row.values) != len(HISTORY_FIELDS) for row in request.history):
-        raise _Invalid("history row width")
-    score = 1.0 / (1.0 + math.exp(-math.tanh(sum(values) / 1000.0)))
+def _scores(rows: RowBatch) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.tanh(rows.features.sum(axis=1) / 1000.0)))
+
+
+def _response(
+    request: risk_scoring_pb2.ScoreRequest, score: float
+) -> risk_scoring_pb2.ScoreResponse:
     long_history = len(request.history) > PRIMARY_MAX_ROWS
     return risk_scoring_pb2.ScoreResponse(
         request_id=request.request_id,
         score=score,
-        decision=risk_scoring_pb2.DECLINE if score > 0.7 else risk_scoring_pb2.APPROVE,
+        decision=DECISIONS[MANIFEST.thresholds.decide(score)],
         model=MODEL,
         model_version=VERSION,
         engine="fake-fallback" if long_history else "fake-primary",
@@ -61,20 +82,29 @@ def _score(request: risk_scoring_pb2.ScoreRequest) -> risk_scoring_pb2.ScoreResp
     )
 
 
+async def _refuse(context: grpc.aio.ServicerContext, exc: ServiceError) -> None:
+    await context.abort(status_for(exc), str(exc))
+
+
 class RiskScoring(risk_scoring_pb2_grpc.RiskScoringServicer):
     async def Score(self, request, context):
         try:
-            return _score(request)
-        except _Invalid as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            rows = _decode(request)
+        except ServiceError as exc:
+            await _refuse(context, exc)
+        return _response(request, float(_scores(rows)[0]))
 
     async def ScoreBatch(self, request, context):
         try:
-            return risk_scoring_pb2.ScoreBatchResponse(
-                responses=[_score(r) for r in request.requests]
-            )
-        except _Invalid as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if LENIENT:
+                for item in request.requests:
+                    _lenient(item)
+            rows = decode_score_batch(request, LENIENT_MANIFEST if LENIENT else MANIFEST)
+        except ServiceError as exc:
+            await _refuse(context, exc)
+        scores = _scores(rows).tolist()
+        pairs = zip(request.requests, scores, strict=True)
+        return risk_scoring_pb2.ScoreBatchResponse(responses=[_response(r, s) for r, s in pairs])
 
     async def GetModelInfo(self, request, context):
         return risk_scoring_pb2.ModelInfo(
@@ -84,8 +114,8 @@ class RiskScoring(risk_scoring_pb2_grpc.RiskScoringServicer):
             feature_names=FEATURES,
             history_fields=HISTORY_FIELDS,
             max_history_length=MAX_ROWS,
-            max_batch_size=64,
-            nan_policy="reject",
+            max_batch_size=MANIFEST.max_batch_size,
+            nan_policy=MANIFEST.nan_policy,
         )
 
 
@@ -99,17 +129,12 @@ class Inference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
         return meta
 
     async def ModelInfer(self, request, context):
-        if len(request.raw_input_contents) != len(request.inputs):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "raw contents per input")
-        features = np.frombuffer(request.raw_input_contents[0], dtype="<f4")
-        batch = int(request.inputs[0].shape[0])
-        scores = np.full(batch, 1.0 / (1.0 + math.exp(-float(features.sum()) / 1e6)), "<f4")
-        response = grpc_service_pb2.ModelInferResponse(
-            model_name=MODEL, model_version=VERSION, id=request.id
-        )
-        response.outputs.add(name="score", datatype="FP32", shape=[batch])
-        response.raw_output_contents.append(scores.tobytes())
-        return response
+        try:
+            rows = decode_infer_request(request, MANIFEST)
+        except ServiceError as exc:
+            await _refuse(context, exc)
+        scores = _scores(rows).astype(np.float32)
+        return encode_infer_response(request, VERSION, MANIFEST.output, scores)
 
 
 async def serve(port: int) -> None:
