@@ -20,18 +20,21 @@ from engines.manifest import Manifest
 from engines.watchdog import Watchdog
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
-from service.auth import AuthInterceptor, TokenSource
+from service.api import InferenceServicer, RiskScoringServicer
+from service.api.admission import Admission, admission_limit
+from service.api.auth import AuthInterceptor, TokenSource
+from service.api.health import DrainingHealth
+from service.api.registration import generic_handler
+from service.api.stream import MessageStreams
+from service.api.tls import CertificateFiles
+from service.batching.budget import Budget
 from service.config import Settings
-from service.experiments import Experiments
-from service.handlers import InferenceServicer, RiskScoringServicer
-from service.handlers.boundary import Admission, generic_handler
-from service.handlers.stream import MessageStreams
-from service.health import DrainingHealth
-from service.registry import EngineFactory, ModelRegistry, default_engines
-from service.reload import ModelWatcher
-from service.routing import RequestRouter
+from service.models.experiments import Experiments
+from service.models.loader import EngineFactory, VersionLoader, default_engines
+from service.models.registry import ModelRegistry
+from service.models.reload import ModelWatcher
+from service.models.routing import RequestRouter
 from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
-from service.tls import CertificateFiles
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -96,21 +99,6 @@ def default_engine_workers() -> int:
     second batch in flight only competes for the same cores and makes the batches smaller.
     """
     return max(1, min(4, (os.cpu_count() or 2) // 2))
-
-
-# Server CPU one scoring request costs at 16 callers on the two-core development machine: 0.4
-# to 0.8 ms measured (bench.compare), of which the do-nothing gRPC server's share is about 0.3
-# ms; the low end is taken. It sizes the admission limit: more calls in progress than one
-# process finishes within the budget would only wait, where the callers' clocks run and the
-# service's do not.
-REQUEST_COST_S = 0.0004
-# Share of the budget the admitted calls may fill; the rest absorbs bursts and the reply.
-ADMISSION_SHARE = 0.8
-
-
-def admission_limit(budget_s: float) -> int:
-    """Scoring calls one process admits at once: what it finishes within the budget."""
-    return max(4, int(budget_s * ADMISSION_SHARE / REQUEST_COST_S))
 
 
 def telemetry_config(settings: Settings) -> TelemetryConfig:
@@ -184,8 +172,7 @@ async def build_server(
         )
     if settings.engine_timeout_ms > 0:
         engine_factory = _with_watchdog(engine_factory, settings.engine_timeout_ms / 1000)
-    registry = ModelRegistry(
-        executor,
+    loader = VersionLoader(
         engine_factory,
         max_batch_rows=settings.max_batch_size,
         max_queue_rows=settings.max_queue_rows,
@@ -195,7 +182,9 @@ async def build_server(
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
         telemetry=telemetry,
-        pinned_versions=settings.pinned_versions,
+    )
+    registry = ModelRegistry(
+        executor, loader, telemetry=telemetry, pinned_versions=settings.pinned_versions
     )
     await registry.load_dir(settings.models_dir)
     experiments = None
@@ -224,14 +213,15 @@ async def build_server(
     interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     router = RequestRouter(registry, experiments)  # one routing rule for every path
-    streams = MessageStreams(settings.max_stream_in_flight, settings.budget_s)
+    budget = Budget(settings.budget_s)  # every path's deadline comes from this one
+    streams = MessageStreams(settings.max_stream_in_flight, budget)
     oip_servicer = InferenceServicer(
-        registry, settings.budget_s, _server_version(), telemetry, router, streams=streams
+        registry, budget, _server_version(), telemetry, router, streams=streams
     )
     risk_servicer = RiskScoringServicer(
         registry,
         settings.default_model,
-        settings.budget_s,
+        budget,
         experiments,
         telemetry,
         router,
@@ -239,7 +229,7 @@ async def build_server(
         explain_when=settings.explain_when,
     )
     # One bound over both APIs: they share the process's event loop and engines.
-    admission = Admission(settings.max_requests_in_progress or admission_limit(settings.budget_s))
+    admission = Admission(settings.max_requests_in_progress or admission_limit(budget))
     risk_servicer.admission = admission  # type: ignore[attr-defined]
     oip_servicer.admission = admission  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers(

@@ -1,6 +1,6 @@
 """gRPC servicers: thin layers that decode, await the batcher, and encode."""
 
-from service.handlers.oip import InferenceServicer
-from service.handlers.risk import RiskScoringServicer
+from service.api.oip import InferenceServicer
+from service.api.risk import RiskScoringServicer
 
 __all__ = ["InferenceServicer", "RiskScoringServicer"]
