@@ -34,7 +34,7 @@ from service.models.loader import EngineFactory, VersionLoader, default_engines
 from service.models.registry import ModelRegistry
 from service.models.reload import ModelWatcher
 from service.models.routing import RequestRouter
-from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
+from service.telemetry import Telemetry, setup_telemetry
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -101,22 +101,6 @@ def default_engine_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-def telemetry_config(settings: Settings) -> TelemetryConfig:
-    return TelemetryConfig(
-        budget_ms=settings.budget_ms,
-        trace_slow_ms=settings.trace_slow_ms,
-        trace_sample_ratio=settings.trace_sample_ratio,
-        tracing=settings.tracing,
-        trace_export_all=settings.trace_export_all,
-        trace_file=settings.trace_file,
-        trace_file_max_bytes=settings.trace_file_max_bytes,
-        trace_file_backup_count=settings.trace_file_backup_count,
-        metrics_host=settings.metrics_host,
-        metrics_port=settings.metrics_port,
-        stats_interval_s=settings.stats_interval_s or None,
-    )
-
-
 def _certificates(settings: Settings) -> CertificateFiles | None:
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
@@ -159,7 +143,7 @@ async def build_server(
     `engine_factory` builds each model version's engines; the default offers validated
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     """
-    telemetry = setup_telemetry(telemetry_config(settings))
+    telemetry = setup_telemetry(settings)
     workers = settings.engine_workers or default_engine_workers()
     # Model loading and warm-up run here; each batcher runs its engine calls on its own threads.
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="model-loader")
