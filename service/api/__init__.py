@@ -1,4 +1,4 @@
-"""gRPC servicers: thin layers that decode, await the batcher, and encode."""
+"""The wire: gRPC servicers (thin: decode, await the batcher, encode) and what wraps them."""
 
 from service.api.oip import InferenceServicer
 from service.api.risk import RiskScoringServicer
