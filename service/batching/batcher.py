@@ -16,11 +16,10 @@ GIL back. A hand-off to an engine thread and back takes the GIL twice, each time
 interpreter's switch interval (5 ms) while the loop is busy: that, not compute, was most of the
 latency of a lightly loaded server.
 
-The registry turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
+The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
 stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
-engine threads, so the loop
-keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
+engine threads, so the loop keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
 runs one merged batch at a time. Dispatch happens on the event loop, in the call that queued a
 request or in the callback that reports a finished batch: no task wakes up to look at the queue,
 and a batch crosses threads once each way.
@@ -149,8 +148,8 @@ _MAX_PADDING = 1.5
 # Jobs passed over for padding in one take, so a long queue is never scanned whole.
 _MAX_DEFERRED = 16
 # Batches expected to run at most this long run on the event loop (see the module's notes). The
-# estimate carries the time model's headroom and follows a loaded machine's slower runs, so the
-# bound sits well above a small batch's 0.15 to 1 ms, below a slow engine's 5 ms and more.
+# estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
+# 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
 
 
