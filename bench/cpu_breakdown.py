@@ -50,8 +50,8 @@ class Breakdown:
 def handoff_cost_s(rows: int, repeats: int = 3000) -> float:
     """One request's trip through a MicroBatcher whose engine does nothing, plus merging."""
     from demo.generator import generate, model_inputs
-    from service.batcher import BatchOutcome, MicroBatcher, merge
-    from service.codec import RowBatch
+    from service.batching.batcher import BatchOutcome, MicroBatcher, merge
+    from service.batching.rows import RowBatch
 
     data = model_inputs(generate(rows, seed=1))
     batches = [

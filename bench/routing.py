@@ -23,8 +23,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from service.registry import ModelRegistry, default_engines
-from service.routing import RequestRouter
+from service.models.loader import VersionLoader, default_engines
+from service.models.registry import ModelRegistry
+from service.models.routing import RequestRouter
 from service.shadow import ExperimentConfig, ExperimentRouter
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +35,7 @@ BATCH_ROWS = 64
 
 
 class _Experiments:
-    """The part of `service.experiments.Experiments` the router reads, without a log or worker."""
+    """What the router reads of `service.models.experiments.Experiments`: no log, no worker."""
 
     def __init__(self, config: dict) -> None:
         self.router = ExperimentRouter(ExperimentConfig.model_validate(config))
@@ -56,8 +57,7 @@ def _models(root: Path) -> Path:
 
 
 async def _registry(models_dir: Path) -> ModelRegistry:
-    registry = ModelRegistry(
-        ThreadPoolExecutor(max_workers=1),
+    loader = VersionLoader(
         default_engines(1, 1, tensorrt=False, onnx_variants=False),
         max_batch_rows=BATCH_ROWS,
         max_queue_rows=1024,
@@ -66,6 +66,7 @@ async def _registry(models_dir: Path) -> ModelRegistry:
         warmup_iterations=1,
         degrade_on_deadline=False,
     )
+    registry = ModelRegistry(ThreadPoolExecutor(max_workers=1), loader)
     await registry.load_dir(models_dir)
     return registry
 

@@ -22,14 +22,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from engines.manifest import HistorySpec, Manifest, Thresholds
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
-from service.codec import (
+from service.api.codec import (
     DECISIONS,
-    RowBatch,
     decode_infer_request,
     decode_score_batch,
     decode_score_request,
     encode_infer_response,
 )
+from service.batching.rows import RowBatch
 from service.errors import ServiceError, status_for
 
 MODEL = "fake-model"

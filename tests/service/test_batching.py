@@ -17,8 +17,8 @@ from waiting import until
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
-from service.batcher import BatchOutcome, MicroBatcher
-from service.codec import RowBatch
+from service.batching.batcher import MicroBatcher, Scored
+from service.batching.rows import RowBatch
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +91,8 @@ def test_idle_engine_adds_no_wait():
     """A lone request on an idle engine is scored within a few turns of the event loop, no
     timer between; a configured extra wait for company (max_queue_delay) would hold it."""
 
-    def run(rows: RowBatch) -> BatchOutcome:
-        return BatchOutcome(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
+    def run(rows: RowBatch) -> Scored:
+        return Scored(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
 
     async def scored_at_once(extra_wait_s: float) -> bool:
         batcher = MicroBatcher(
@@ -198,10 +198,10 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
     release = threading.Event()
     shapes: list[tuple[int, int]] = []
 
-    def run(rows: RowBatch) -> BatchOutcome:
+    def run(rows: RowBatch) -> Scored:
         shapes.append((rows.rows, rows.history_length))
         release.wait(5)
-        return BatchOutcome(np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
+        return Scored(np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
 
     def rows_of(length: int) -> RowBatch:
         return RowBatch(
