@@ -141,10 +141,12 @@ def _small_sequence_model(root: Path) -> dict[str, str]:
     return {"RISKSERVE_MODELS_DIR": str(root), "RISKSERVE_DEFAULT_MODEL": folder.parent.name}
 
 
-@pytest.mark.parametrize("mode", [(), ("--streaming",)], ids=["unary", "streaming"])
-def test_locust_mix_against_riskserve(tmp_path: Path, mode: tuple[str, ...]) -> None:
+@pytest.fixture(scope="module")
+def riskserve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`riskserve serve` in its own process, shared by the unary and the streaming run."""
     if importlib.util.find_spec("service.cli") is None:
         pytest.skip("service.cli (the `riskserve serve` command) does not exist yet")
+    tmp_path = tmp_path_factory.mktemp("riskserve")
     models_dir = Path(os.environ.get("RISKSERVE_MODELS_DIR", REPO / "models"))
     extra: dict[str, str] = {}
     if not any(models_dir.glob("*/*/manifest.json")):
@@ -164,7 +166,14 @@ def test_locust_mix_against_riskserve(tmp_path: Path, mode: tuple[str, ...]) -> 
         "serve", "--port", str(port),
     ]  # fmt: skip
     with _server(command, port, tmp_path / "server.log", env=env) as target:
-        status, rows = _locust(target, tmp_path / "run", run_time_s=5, extra=mode)
+        yield target
+
+
+@pytest.mark.parametrize("mode", [(), ("--streaming",)], ids=["unary", "streaming"])
+def test_locust_mix_against_riskserve(
+    riskserve: str, tmp_path: Path, mode: tuple[str, ...]
+) -> None:
+    status, rows = _locust(riskserve, tmp_path / "run", run_time_s=5, extra=mode)
     _assert_clean_mix(status, rows)
 
 
