@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from engines.manifest import Thresholds
-from service.reasons import TopReasonComparison
+from service.explanations.reasons import TopReasonComparison
 from service.shadow.report import stats
 from service.shadow.report.dataset import open_records, sql_text
 from service.shadow.report.labels import load_labels

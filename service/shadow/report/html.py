@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from service.reasons import TopReasonComparison
+from service.explanations.reasons import TopReasonComparison
 from service.shadow.report.build import DECISIONS, Report
 
 __all__ = ["render_html"]

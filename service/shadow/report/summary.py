@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from service.reasons import TopReasonComparison
+from service.explanations.reasons import TopReasonComparison
 from service.shadow.report.build import Report
 from service.shadow.report.stats import Interval
 

@@ -23,7 +23,7 @@ def test_the_server_never_imports_the_report() -> None:
     """Serving routes, scores and logs: DuckDB, SciPy, Matplotlib and the report stay out."""
     heavy = ("duckdb", "scipy", "matplotlib", "service.shadow.report")
     code = (
-        "import sys, service.server, service.experiments, service.shadow.worker\n"
+        "import sys, service.server, service.models.experiments, service.shadow.worker\n"
         f"print([m for m in sys.modules if m.split('.')[0] in {heavy!r} or m in {heavy!r}])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -16,11 +16,10 @@ GIL back. A hand-off to an engine thread and back takes the GIL twice, each time
 interpreter's switch interval (5 ms) while the loop is busy: that, not compute, was most of the
 latency of a lightly loaded server.
 
-The registry turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
+The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
 stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
-engine threads, so the loop
-keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
+engine threads, so the loop keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
 runs one merged batch at a time. Dispatch happens on the event loop, in the call that queued a
 request or in the callback that reports a finished batch: no task wakes up to look at the queue,
 and a batch crosses threads once each way.
@@ -40,44 +39,34 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.codec import RowBatch
+from service.batching.rows import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
-__all__ = ["INLINE_MAX_S", "BatchOutcome", "EngineTimeModel", "MicroBatcher", "Scored"]
+__all__ = ["INLINE_MAX_S", "EngineTimeModel", "MicroBatcher", "Scored"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchOutcome:
-    """What running one merged batch produced."""
+@dataclass(slots=True)
+class Scored:
+    """Scores and how they were made: what an engine run returns for its whole batch, and
+    what each caller gets back for its share (the batcher slices the one into the others)."""
 
     scores: np.ndarray  # (rows,)
     engine: str
-    fallback_reason: str
-    engine_s: float
+    fallback_reason: str = ""
+    engine_s: float = 0.0
     precision: str = ""
     # The engine of each row, where a batch was split between an engine and the fallback.
     row_engines: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class Scored:
-    """One caller's share of an executed batch."""
-
-    scores: np.ndarray
-    engine: str
-    fallback_reason: str
-    queue_s: float
-    engine_s: float
-    batch_rows: int
+    batch_rows: int = 0
+    queue_s: float = 0.0
     degraded: bool = False
     # Monotonic nanoseconds: queued, handed to the engine, back from it (stage spans).
     enqueued_ns: int = 0
     dispatched_ns: int = 0
     done_ns: int = 0
-    row_engines: tuple[str, ...] = ()
     # The executed batch's trace (None when tracing is off or nothing ran).
     batch_trace: BatchTrace | None = None
 
@@ -96,13 +85,8 @@ class EngineTimeModel:
     Exponentially weighted least squares, so it follows the machine as load and clocks change.
     """
 
-    def __init__(
-        self, forget: float = 0.98, initial_s: float = 0.001, margin: float = 1.25
-    ) -> None:
+    def __init__(self, forget: float = 0.98, initial_s: float = 0.001) -> None:
         self._forget = forget
-        # Estimates are means; queueing behind them is not. 25 % headroom keeps the admitted
-        # requests' tail inside the deadline instead of at it.
-        self.margin = margin
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._initial_s = initial_s
 
@@ -120,10 +104,7 @@ class EngineTimeModel:
         self._sxy = f * self._sxy + x * seconds
 
     def estimate_s(self, rows: int, history_length: int) -> float:
-        """Expected engine seconds, padded by `margin` so admission errs on the safe side."""
-        return self._fit_s(rows, history_length) * self.margin
-
-    def _fit_s(self, rows: int, history_length: int) -> float:
+        """Expected engine seconds (a mean: `service.batching.budget.MARGIN` covers its error)."""
         if self._sw == 0.0:
             return self._initial_s
         x = self.cells(rows, history_length)
@@ -158,7 +139,7 @@ class _Running:
     trace: BatchTrace | None
 
 
-RunBatch = Callable[[RowBatch], BatchOutcome]
+RunBatch = Callable[[RowBatch], Scored]
 
 # A batch's padded history cells may be at most this multiple of its rows' own cells: padding a
 # short history to a long one costs the engine the long one's work (the attention over the
@@ -167,30 +148,9 @@ _MAX_PADDING = 1.5
 # Jobs passed over for padding in one take, so a long queue is never scanned whole.
 _MAX_DEFERRED = 16
 # Batches expected to run at most this long run on the event loop (see the module's notes). The
-# estimate carries the time model's headroom and follows a loaded machine's slower runs, so the
-# bound sits well above a small batch's 0.15 to 1 ms, below a slow engine's 5 ms and more.
+# estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
+# 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
-
-
-def merge(batches: list[RowBatch]) -> RowBatch:
-    """Concatenate rows, padding every history to the longest in the batch."""
-    if len(batches) == 1:
-        return batches[0]
-    features = np.concatenate([b.features for b in batches])
-    if batches[0].history is None:
-        return RowBatch(features, None, None)
-    length = max(b.history_length for b in batches)
-    width = batches[0].history.shape[2]  # type: ignore[union-attr]
-    rows = features.shape[0]
-    history = np.zeros((rows, length, width), dtype=np.float32)
-    mask = np.zeros((rows, length), dtype=np.float32)
-    start = 0
-    for b in batches:
-        end = start + b.rows
-        history[start:end, : b.history_length] = b.history
-        mask[start:end, : b.history_length] = b.mask
-        start = end
-    return RowBatch(features, history, mask)
 
 
 class MicroBatcher:
@@ -234,7 +194,7 @@ class MicroBatcher:
         self._scheduled: asyncio.Handle | None = None
         self._closing = False
 
-    def run_batch(self, rows: RowBatch) -> BatchOutcome:
+    def run_batch(self, rows: RowBatch) -> Scored:
         """Run rows on the engines directly, bypassing the queue (warm-up, tools)."""
         return self._run_batch(rows)
 
@@ -378,7 +338,7 @@ class MicroBatcher:
     @staticmethod
     def _degraded(job: _Job, now: float) -> Scored:
         scores = np.full(job.batch.rows, np.nan, dtype=np.float32)
-        return Scored(scores, "", "deadline", now - job.enqueued, 0.0, 0, degraded=True)
+        return Scored(scores, "", "deadline", queue_s=now - job.enqueued, degraded=True)
 
     # -- dispatch (event loop) -------------------------------------------------------------
 
@@ -428,8 +388,8 @@ class MicroBatcher:
                 self._dispatch()  # more workers may be free
                 return
             try:
-                outcome: BatchOutcome | BaseException = self._run_batch(
-                    merge([j.batch for j in running.jobs])
+                outcome: Scored | BaseException = self._run_batch(
+                    RowBatch.concat([j.batch for j in running.jobs])
                 )
             except Exception as exc:  # the batch fails, the loop goes on
                 outcome = exc
@@ -476,7 +436,7 @@ class MicroBatcher:
                 return
             token, batches = item
             try:
-                outcome: BatchOutcome | BaseException = self._run_batch(merge(batches))
+                outcome: Scored | BaseException = self._run_batch(RowBatch.concat(batches))
             except BaseException as exc:  # handed to the event loop, which fails the batch
                 outcome = exc
             try:
@@ -484,16 +444,14 @@ class MicroBatcher:
             except RuntimeError:  # the loop closed while the batch ran
                 return
 
-    def _finish(self, token: int, outcome: BatchOutcome | BaseException, done_ns: int) -> None:
+    def _finish(self, token: int, outcome: Scored | BaseException, done_ns: int) -> None:
         running = self._running.pop(token)
         try:
             self._deliver(running, outcome, done_ns)
         finally:
             self._kick()
 
-    def _deliver(
-        self, running: _Running, outcome: BatchOutcome | BaseException, done_ns: int
-    ) -> None:
+    def _deliver(self, running: _Running, outcome: Scored | BaseException, done_ns: int) -> None:
         jobs = running.jobs
         if isinstance(outcome, ServiceError):
             for job in jobs:
@@ -525,19 +483,20 @@ class MicroBatcher:
                         outcome.scores[start:end],
                         outcome.engine,
                         outcome.fallback_reason,
-                        started - job.enqueued,
                         outcome.engine_s,
+                        outcome.precision,
+                        outcome.row_engines[start:end],
                         running.rows,
+                        started - job.enqueued,
                         enqueued_ns=int(job.enqueued * 1e9),
                         dispatched_ns=started_ns,
                         done_ns=done_ns,
-                        row_engines=outcome.row_engines[start:end],
                         batch_trace=running.trace,
                     )
                 )
             start = end
 
-    def _observe(self, jobs: list[_Job], outcome: BatchOutcome, rows: int, started: float) -> None:
+    def _observe(self, jobs: list[_Job], outcome: Scored, rows: int, started: float) -> None:
         if self._telemetry is None:
             return
         metrics = self._telemetry.metrics
