@@ -28,7 +28,7 @@ from riskreport import stats
 from riskreport.dataset import open_records, sql_text
 from riskreport.labels import load_labels
 from riskreport.stats import Interval, OrderedBatch, SortedPass
-from service.reasons import TopReasonComparison
+from service.explanations.reasons import TopReasonComparison
 
 __all__ = [
     "DECISIONS",

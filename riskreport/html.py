@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from riskreport.build import DECISIONS, Report
-from service.reasons import TopReasonComparison
+from service.explanations.reasons import TopReasonComparison
 
 __all__ = ["render_html"]
 

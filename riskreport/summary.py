@@ -6,7 +6,7 @@ import math
 
 from riskreport.build import Report
 from riskreport.stats import Interval
-from service.reasons import TopReasonComparison
+from service.explanations.reasons import TopReasonComparison
 
 __all__ = ["render_summary"]
 

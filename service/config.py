@@ -256,6 +256,11 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def trace_slow_threshold_ms(self) -> float:
+        """Traces at least this slow are kept: `trace_slow_ms`, else half the budget."""
+        return self.budget_ms / 2 if self.trace_slow_ms is None else self.trace_slow_ms
+
+    @property
     def budget_s(self) -> float:
         return self.budget_ms / 1000.0
 

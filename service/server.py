@@ -20,18 +20,21 @@ from engines.manifest import Manifest
 from engines.watchdog import Watchdog
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
-from service.auth import AuthInterceptor, TokenSource
+from service.api import InferenceServicer, RiskScoringServicer
+from service.api.admission import Admission, admission_limit
+from service.api.auth import AuthInterceptor, TokenSource
+from service.api.health import DrainingHealth
+from service.api.registration import generic_handler
+from service.api.stream import MessageStreams
+from service.api.tls import CertificateFiles
+from service.batching.budget import Budget
 from service.config import Settings
-from service.experiments import Experiments
-from service.handlers import InferenceServicer, RiskScoringServicer
-from service.handlers.boundary import Admission, generic_handler
-from service.handlers.stream import MessageStreams
-from service.health import DrainingHealth
-from service.registry import EngineFactory, ModelRegistry, default_engines
-from service.reload import ModelWatcher
-from service.routing import RequestRouter
-from service.telemetry import Telemetry, TelemetryConfig, setup_telemetry
-from service.tls import CertificateFiles
+from service.models.experiments import Experiments
+from service.models.loader import EngineFactory, VersionLoader, default_engines
+from service.models.registry import ModelRegistry
+from service.models.reload import ModelWatcher
+from service.models.routing import RequestRouter
+from service.telemetry import Telemetry, setup_telemetry
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -98,37 +101,6 @@ def default_engine_workers() -> int:
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 
-# Server CPU one scoring request costs at 16 callers on the two-core development machine: 0.4
-# to 0.8 ms measured (bench.compare), of which the do-nothing gRPC server's share is about 0.3
-# ms; the low end is taken. It sizes the admission limit: more calls in progress than one
-# process finishes within the budget would only wait, where the callers' clocks run and the
-# service's do not.
-REQUEST_COST_S = 0.0004
-# Share of the budget the admitted calls may fill; the rest absorbs bursts and the reply.
-ADMISSION_SHARE = 0.8
-
-
-def admission_limit(budget_s: float) -> int:
-    """Scoring calls one process admits at once: what it finishes within the budget."""
-    return max(4, int(budget_s * ADMISSION_SHARE / REQUEST_COST_S))
-
-
-def telemetry_config(settings: Settings) -> TelemetryConfig:
-    return TelemetryConfig(
-        budget_ms=settings.budget_ms,
-        trace_slow_ms=settings.trace_slow_ms,
-        trace_sample_ratio=settings.trace_sample_ratio,
-        tracing=settings.tracing,
-        trace_export_all=settings.trace_export_all,
-        trace_file=settings.trace_file,
-        trace_file_max_bytes=settings.trace_file_max_bytes,
-        trace_file_backup_count=settings.trace_file_backup_count,
-        metrics_host=settings.metrics_host,
-        metrics_port=settings.metrics_port,
-        stats_interval_s=settings.stats_interval_s or None,
-    )
-
-
 def _certificates(settings: Settings) -> CertificateFiles | None:
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
@@ -171,7 +143,7 @@ async def build_server(
     `engine_factory` builds each model version's engines; the default offers validated
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     """
-    telemetry = setup_telemetry(telemetry_config(settings))
+    telemetry = setup_telemetry(settings)
     workers = settings.engine_workers or default_engine_workers()
     # Model loading and warm-up run here; each batcher runs its engine calls on its own threads.
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="model-loader")
@@ -184,8 +156,7 @@ async def build_server(
         )
     if settings.engine_timeout_ms > 0:
         engine_factory = _with_watchdog(engine_factory, settings.engine_timeout_ms / 1000)
-    registry = ModelRegistry(
-        executor,
+    loader = VersionLoader(
         engine_factory,
         max_batch_rows=settings.max_batch_size,
         max_queue_rows=settings.max_queue_rows,
@@ -195,7 +166,9 @@ async def build_server(
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
         telemetry=telemetry,
-        pinned_versions=settings.pinned_versions,
+    )
+    registry = ModelRegistry(
+        executor, loader, telemetry=telemetry, pinned_versions=settings.pinned_versions
     )
     await registry.load_dir(settings.models_dir)
     experiments = None
@@ -224,14 +197,15 @@ async def build_server(
     interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     router = RequestRouter(registry, experiments)  # one routing rule for every path
-    streams = MessageStreams(settings.max_stream_in_flight, settings.budget_s)
+    budget = Budget(settings.budget_s)  # every path's deadline comes from this one
+    streams = MessageStreams(settings.max_stream_in_flight, budget)
     oip_servicer = InferenceServicer(
-        registry, settings.budget_s, _server_version(), telemetry, router, streams=streams
+        registry, budget, _server_version(), telemetry, router, streams=streams
     )
     risk_servicer = RiskScoringServicer(
         registry,
         settings.default_model,
-        settings.budget_s,
+        budget,
         experiments,
         telemetry,
         router,
@@ -239,7 +213,7 @@ async def build_server(
         explain_when=settings.explain_when,
     )
     # One bound over both APIs: they share the process's event loop and engines.
-    admission = Admission(settings.max_requests_in_progress or admission_limit(settings.budget_s))
+    admission = Admission(settings.max_requests_in_progress or admission_limit(budget))
     risk_servicer.admission = admission  # type: ignore[attr-defined]
     oip_servicer.admission = admission  # type: ignore[attr-defined]
     server.add_generic_rpc_handlers(

@@ -20,7 +20,7 @@ import numpy as np
 from engines.base import Engine
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
-from service.reasons import ADVERSE_DECISIONS, Occlusion, log_codes
+from service.explanations.reasons import ADVERSE_DECISIONS, Occlusion, log_codes
 from service.shadow.job import ShadowJob
 from service.shadow.log import ExperimentLog
 from service.shadow.record import ExperimentRecord

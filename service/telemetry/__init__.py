@@ -1,13 +1,12 @@
 """Tracing with in-process tail sampling, metrics on /metrics, and live latency stats.
 
-Build once in the composition root with `setup_telemetry(TelemetryConfig(...))`; the RPC
+Build once in the composition root with `setup_telemetry(settings)`; the RPC
 boundary starts and ends a `RequestTrace` per call through `telemetry.tracing`, the batcher
 adds a `BatchTrace` per executed batch, and everything records through `telemetry.metrics`.
 Call `telemetry.shutdown()` after the server stops. See docs/telemetry.md.
 """
 
 from service.telemetry.bootstrap import Telemetry, setup_telemetry
-from service.telemetry.config import TelemetryConfig
 from service.telemetry.jsonl_exporter import JsonLinesSpanExporter
 from service.telemetry.metrics import BATCH_SIZE_BUCKETS, DURATION_BUCKETS_S, Metrics
 from service.telemetry.stats import (
@@ -44,7 +43,6 @@ __all__ = [
     "TailSamplingPolicy",
     "TailSamplingStats",
     "Telemetry",
-    "TelemetryConfig",
     "Tracing",
     "current_request_trace",
     "current_trace_id",

@@ -18,10 +18,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from prometheus_client import CollectorRegistry, start_http_server
 
-from service.telemetry.config import TelemetryConfig
+from service.config import Settings
 from service.telemetry.exporters import span_exporters_from_environment
 from service.telemetry.metrics import Metrics, histogram_views
-from service.telemetry.stats import LiveStats, StatsReporter
+from service.telemetry.stats import STATS_WINDOW_SIZE, LiveStats, StatsReporter
 from service.telemetry.tracing import TailSamplingPolicy, Tracing
 
 INSTRUMENTATION_NAME = "riskserve"
@@ -33,7 +33,7 @@ _logger = logging.getLogger(__name__)
 class Telemetry:
     """The running pipelines; call `shutdown()` once when the server stops."""
 
-    config: TelemetryConfig
+    settings: Settings
     meter_provider: MeterProvider
     metrics: Metrics
     live_stats: LiveStats
@@ -48,7 +48,7 @@ class Telemetry:
     def metrics_url(self) -> str | None:
         if self.metrics_port is None:
             return None
-        return f"http://{self.config.metrics_host}:{self.metrics_port}/metrics"
+        return f"http://{self.settings.metrics_host}:{self.metrics_port}/metrics"
 
     def shutdown(self) -> None:
         """Flush and export what is buffered, then stop every thread and socket."""
@@ -63,8 +63,9 @@ class Telemetry:
 
 
 def setup_telemetry(
-    config: TelemetryConfig,
+    config: Settings,
     *,
+    service_name: str = "riskserve",
     span_exporters: Sequence[SpanExporter] | None = None,
     metric_readers: Sequence[MetricReader] = (),
 ) -> Telemetry:
@@ -74,8 +75,8 @@ def setup_telemetry(
     `span_exporters` replaces the exporters chosen from OTEL_TRACES_EXPORTER, and
     `metric_readers` are added to the Prometheus one (tests, or an OTLP metric reader).
     """
-    resource = Resource.create({SERVICE_NAME: config.service_name})
-    live = LiveStats(config.stats_window_size)
+    resource = Resource.create({SERVICE_NAME: service_name})
+    live = LiveStats(STATS_WINDOW_SIZE)
 
     registry = CollectorRegistry()
     readers: list[MetricReader] = [*metric_readers]
@@ -100,7 +101,7 @@ def setup_telemetry(
         )
         tracing = Tracing(
             TailSamplingPolicy(
-                slow_threshold_ns=round(config.slow_threshold_ms * 1e6),
+                slow_threshold_ns=round(config.trace_slow_threshold_ms * 1e6),
                 sample_ratio=config.trace_sample_ratio,
                 export_all=config.trace_export_all,
             ),
@@ -126,12 +127,12 @@ def setup_telemetry(
         _logger.info("metrics on http://%s:%d/metrics", config.metrics_host, port)
 
     reporter = None
-    if config.stats_interval_s is not None:
+    if config.stats_interval_s:
         reporter = StatsReporter(live, config.stats_interval_s)
         reporter.start()
 
     return Telemetry(
-        config=config,
+        settings=config,
         meter_provider=meter_provider,
         metrics=metrics,
         live_stats=live,

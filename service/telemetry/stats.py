@@ -63,6 +63,10 @@ class LatencyWindow:
         return count, values
 
 
+# Observations kept per stage for the live percentiles.
+STATS_WINDOW_SIZE = 4096
+
+
 class LiveStats:
     """One window per stage; `snapshot()` reports and resets them."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bench.explain import _models
 from engines.manifest import load_manifest
-from service.explain import Explainer
+from service.explanations.occlusion import Explainer
 
 
 def test_block_sizes_of_the_benchmarked_manifests(tmp_path):

@@ -172,16 +172,16 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
 
     from waiting import until
 
-    from service.batcher import BatchOutcome, MicroBatcher
-    from service.codec import RowBatch
+    from service.batching.batcher import MicroBatcher, Scored
+    from service.batching.rows import RowBatch
 
     release = threading.Event()
     shapes: list[tuple[int, int]] = []
 
-    def run(rows: RowBatch) -> BatchOutcome:
+    def run(rows: RowBatch) -> Scored:
         shapes.append((rows.rows, rows.history_length))
         release.wait(5)
-        return BatchOutcome(np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
+        return Scored(np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
 
     def rows_of(length: int) -> RowBatch:
         return RowBatch(

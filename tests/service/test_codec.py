@@ -10,7 +10,7 @@ import pytest
 
 from engines.manifest import Manifest, load_manifest
 from riskscoring.v1 import risk_scoring_pb2 as pb
-from service.codec import decode_score_batch, decode_score_request
+from service.api.codec import decode_score_batch, decode_score_request
 from service.errors import InvalidRequest
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from engines.manifest import Manifest
-from service.codec import RowBatch
-from service.explain import Explainer, Reason, compare_top_reasons, log_codes
+from service.batching.rows import RowBatch
+from service.explanations.occlusion import Explainer, Reason, compare_top_reasons, log_codes
 
 MANIFEST = Manifest.model_validate(
     {

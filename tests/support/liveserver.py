@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 
 from service.config import Settings
-from service.registry import EngineFactory
+from service.models.loader import EngineFactory
 from service.server import RiskServer, build_server
 
 REPO = Path(__file__).resolve().parents[2]

@@ -55,7 +55,8 @@ def test_public_surface_is_exactly_all() -> None:
 def test_the_serving_modules_never_import_the_report() -> None:
     """Serving routes, scores and logs: DuckDB, SciPy, Matplotlib and the report stay out."""
     code = (
-        "import sys, service.server, service.experiments, service.shadow.worker, service.cli\n"
+        "import sys, service.server, service.models.experiments, service.shadow.worker\n"
+        "import service.cli\n"
         "service.cli._parser()\n"
         "print([m for m in sys.modules if m.split('.')[0] in sys.argv[1:]])"
     )

@@ -13,8 +13,8 @@ from contextlib import asynccontextmanager
 
 import grpc
 
+from service.api.boundary import note_model, rpc_boundary
 from service.errors import ModelNotFound
-from service.handlers.boundary import note_model, rpc_boundary
 from service.telemetry import Telemetry, current_request_trace
 
 SERVICE = "test.Echo"

@@ -9,14 +9,15 @@ from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricR
 from prometheus_client.parser import text_string_to_metric_families
 from telemetry_echo import call, echo_server
 
-from service.telemetry import DURATION_BUCKETS_S, TelemetryConfig, setup_telemetry
+from service.config import Settings
+from service.telemetry import DURATION_BUCKETS_S, setup_telemetry
 from service.telemetry.stats import stats_from_scrapes
 
 
-def _config(**overrides) -> TelemetryConfig:
-    values = {"metrics_port": 0, "stats_interval_s": None, "trace_file": None}
+def _config(**overrides) -> Settings:
+    values = {"metrics_port": 0, "stats_interval_s": 0, "trace_file": None}
     values.update(overrides)
-    return TelemetryConfig(**values)
+    return Settings(**values)
 
 
 def _scrape(url: str) -> str:

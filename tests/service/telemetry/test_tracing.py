@@ -13,7 +13,8 @@ from opentelemetry.sdk.environment_variables import OTEL_BSP_MAX_EXPORT_BATCH_SI
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from telemetry_echo import call, echo_server
 
-from service.telemetry import SAMPLED_REASON_ATTRIBUTE, TelemetryConfig, setup_telemetry
+from service.config import Settings
+from service.telemetry import SAMPLED_REASON_ATTRIBUTE, setup_telemetry
 from service.telemetry.bootstrap import EXPORT_BATCH_SPANS
 
 OTLP_ERROR = 2  # opentelemetry.proto.trace.v1.Status.STATUS_CODE_ERROR
@@ -22,17 +23,16 @@ CALLER_TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN_ID = "b7ad6b7169203331"
 
 
-def _config(**overrides) -> TelemetryConfig:
+def _config(**overrides) -> Settings:
     values = {
-        "service_name": "riskserve-test",
         "budget_ms": 10.0,
         "trace_slow_ms": 30.0,
         "trace_sample_ratio": 0.0,
         "metrics_port": None,
-        "stats_interval_s": None,
+        "stats_interval_s": 0,
     }
     values.update(overrides)
-    return TelemetryConfig(**values)
+    return Settings(**values)
 
 
 def _run(telemetry, requests, metadata=()):
@@ -77,7 +77,7 @@ def test_slow_and_failing_requests_arrive_with_their_span_tree(otlp_env):
     assert root.duration_ms >= child.duration_ms
     assert root.kind == OTLP_SERVER_KIND
     assert root.name == "test.Echo/Call"
-    assert root.service_name == "riskserve-test"
+    assert root.service_name == "riskserve"
     assert root.attributes["rpc.system"] == "grpc"
     assert root.attributes["rpc.service"] == "test.Echo"
     assert root.attributes["rpc.method"] == "Call"
@@ -189,7 +189,7 @@ def test_file_exporter_is_the_default_and_writes_json_lines(tmp_path: Path, monk
     assert aborted["status"]["description"] == "NOT_FOUND"
     assert aborted["attributes"]["rpc.grpc.status_code"] == 5
     assert aborted["parent_span_id"] is None
-    assert slow_root["service_name"] == "riskserve-test"
+    assert slow_root["service_name"] == "riskserve"
 
 
 def test_none_exporter_exports_nothing_and_setup_leaves_globals_alone(monkeypatch):

@@ -1,6 +1,6 @@
 """Champion/challenger experiments wired to the registry: routing, logging, shadow scoring.
 
-`service.routing.RequestRouter` asks `route` which arm answers each request row and calls
+`service.models.routing.RequestRouter` asks `route` which arm answers each request row and calls
 `record` after scoring; everything else happens off the hot path: the served records are
 written by a log thread, and challengers score in a separate lowest-priority process
 (`ShadowRunner`). The registry follows the router: each model's champion is its serving
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from service.batcher import Scored
-from service.codec import RowBatch
-from service.reasons import Explained
-from service.registry import ModelRegistry, ModelVersion, model_feed
+from service.batching.batcher import Scored
+from service.batching.rows import RowBatch
+from service.explanations.reasons import Explained
+from service.models.registry import ModelRegistry, ModelVersion
 from service.shadow import (
     ExperimentConfig,
     ExperimentLog,
@@ -168,7 +168,7 @@ class Experiments:
             self.runner.drop(model.name)  # all a full shadow queue costs the champion
             return
         whole = len(positions) == len(request_ids)
-        inputs = model_feed(model.manifest, rows)
+        inputs = rows.feed(model.manifest)
         scores = np.asarray(scored.scores)
         if not whole:
             index = np.asarray(positions, dtype=np.intp)

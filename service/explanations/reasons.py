@@ -1,8 +1,8 @@
 """Reason codes as arrays: occlusion rows, their ranking, and the codes a log record keeps.
 
 numpy and the manifest only, so the shadow worker explains a challenger and the report compares
-the arms' codes without loading the server's protobuf or batching modules. `service.explain`
-puts this on the request path.
+the arms' codes without loading the server's protobuf or batching modules.
+`service.explanations.occlusion` puts this on the request path.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,11 +19,11 @@ from google.protobuf.message_factory import GetMessageClass
 from engines.manifest import Manifest
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
+from service.batching.rows import RowBatch
 from service.errors import InvalidRequest
 
 __all__ = [
     "DECISIONS",
-    "RowBatch",
     "check_ranges",
     "check_requested_outputs",
     "checked_model_name",
@@ -35,23 +34,6 @@ __all__ = [
 ]
 
 DECISIONS = {"APPROVE": pb.APPROVE, "REVIEW": pb.REVIEW, "DECLINE": pb.DECLINE}
-
-
-@dataclass(frozen=True, slots=True)
-class RowBatch:
-    """Validated rows of one model: what the batcher queues and the engines consume."""
-
-    features: np.ndarray  # (n, F) float32
-    history: np.ndarray | None  # (n, T, H) float32, zero-padded after each row's length
-    mask: np.ndarray | None  # (n, T) float32, 1 for a real row, 0 for padding
-
-    @property
-    def rows(self) -> int:
-        return int(self.features.shape[0])
-
-    @property
-    def history_length(self) -> int:
-        return 0 if self.history is None else int(self.history.shape[1])
 
 
 def _finite(values: np.ndarray, field: str, manifest: Manifest) -> np.ndarray:
@@ -176,20 +158,6 @@ def _history_matrix(
     return _finite(matrix, f"{prefix}history", manifest)
 
 
-def _stack(vectors: list[np.ndarray], histories: list[np.ndarray], manifest: Manifest) -> RowBatch:
-    features = np.stack(vectors)
-    spec = manifest.history
-    if spec is None:
-        return RowBatch(features, None, None)
-    length = max(spec.min_padded_length, max(h.shape[0] for h in histories))
-    history = np.zeros((len(histories), length, len(spec.fields)), dtype=np.float32)
-    mask = np.zeros((len(histories), length), dtype=np.float32)
-    for i, h in enumerate(histories):
-        history[i, : h.shape[0]] = h
-        mask[i, : h.shape[0]] = 1.0
-    return RowBatch(features, history, mask)
-
-
 def check_ranges(features: np.ndarray, manifest: Manifest, field_template: str) -> None:
     """Refuse any value outside the manifest's declared range for its feature.
 
@@ -235,27 +203,29 @@ def decode_score_request(
 ) -> RowBatch:
     vector = _feature_vector(request.features, manifest, prefix)
     history = _history_matrix(request.history, manifest, prefix, request)
-    rows = _stack([vector], [history], manifest)
+    rows = RowBatch.single(vector, history, manifest.history)
     check_ranges(rows.features, manifest, prefix + "features[{feature!r}]")
     return rows
 
 
-def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> RowBatch:
+def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> tuple[RowBatch, ...]:
+    """One row per item, each unpadded: the batcher pads them with the rest of their batch."""
     n = len(request.requests)
     if n == 0:
         raise InvalidRequest("requests", "is empty")
     if n > manifest.max_batch_size:
         raise InvalidRequest("requests", f"{n} rows exceed the limit of {manifest.max_batch_size}")
-    vectors, histories = [], []
+    parts = []
     for i, item in enumerate(request.requests):
         prefix = f"requests[{i}]."
         if item.model and item.model != request.model:
             raise InvalidRequest(f"{prefix}model", "must be empty or equal the batch's model")
-        vectors.append(_feature_vector(item.features, manifest, prefix))
-        histories.append(_history_matrix(item.history, manifest, prefix, item))
-    rows = _stack(vectors, histories, manifest)
-    check_ranges(rows.features, manifest, "requests[{row}].features[{feature!r}]")
-    return rows
+        vector = _feature_vector(item.features, manifest, prefix)
+        history = _history_matrix(item.history, manifest, prefix, item)
+        parts.append(RowBatch.single(vector, history, manifest.history))
+    features = np.concatenate([part.features for part in parts])
+    check_ranges(features, manifest, "requests[{row}].features[{feature!r}]")
+    return tuple(parts)
 
 
 _OIP_DTYPES = {"FP32": np.float32}

@@ -28,13 +28,8 @@ import contextlib
 import logging
 from pathlib import Path
 
-from service.registry import (
-    FolderSnapshot,
-    ModelRegistry,
-    discover_models,
-    folder_snapshot,
-    version_key,
-)
+from service.models.folders import FolderSnapshot, discover_models, folder_snapshot, version_key
+from service.models.registry import ModelRegistry
 from service.telemetry import Telemetry
 
 __all__ = ["ModelWatcher"]

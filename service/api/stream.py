@@ -26,7 +26,9 @@ from typing import Any, Generic, TypeVar, cast
 
 import grpc
 
-from service.handlers.boundary import Malformed, rpc_boundary
+from service.api.boundary import rpc_boundary
+from service.api.registration import Malformed
+from service.batching.budget import Budget
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
@@ -116,9 +118,9 @@ def stream_method(
 class MessageStreams:
     """The open streams of a server: their in-flight bound, and their drain on stop."""
 
-    def __init__(self, max_in_flight: int, budget_s: float) -> None:
+    def __init__(self, max_in_flight: int, budget: Budget) -> None:
         self.max_in_flight = max_in_flight
-        self.budget_s = budget_s
+        self.budget = budget
         self.draining = False
         self._open: set[_Stream[Any, Any]] = set()
 
@@ -311,7 +313,7 @@ class _Stream(Generic[Req, Resp]):
     def _start(self, request: Req) -> None:
         now = time.monotonic()
         budget_s = self._message_budget(request) if not isinstance(request, Malformed) else None
-        deadline = now + (self._streams.budget_s if budget_s is None else budget_s)
+        deadline = now + (self._streams.budget.seconds if budget_s is None else budget_s)
         context = MessageContext(self._metadata, min(deadline, self._call_deadline))
         coro = self._per_message(self._servicer, request, context)
         message = _Message(self, coro, request, context)

@@ -15,17 +15,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from service.batcher import Scored
-from service.codec import RowBatch
+from service.batching.batcher import Scored
+from service.batching.rows import RowBatch
 from service.errors import ModelNotFound, Unavailable
-from service.experiments import Experiments
-from service.reasons import Explained
-from service.registry import ModelRegistry, ModelVersion
+from service.explanations.reasons import Explained
+from service.models.experiments import Experiments
+from service.models.registry import ModelRegistry, ModelVersion
 from service.shadow import Route
 
-__all__ = ["Assignment", "Recorder", "RequestRouter", "take_rows"]
+__all__ = ["Assignment", "Recorder", "RequestRouter"]
 
 
 class Recorder(Protocol):
@@ -121,13 +119,3 @@ class RequestRouter:
                 f"model {name!r}: version {route.serving_version!r} (an A/B challenger) "
                 "is not loaded"
             ) from None
-
-
-def take_rows(rows: RowBatch, positions: Sequence[int]) -> RowBatch:
-    """The rows at `positions` of a validated batch, as a batch of their own."""
-    if len(positions) == rows.rows:
-        return rows
-    index = np.asarray(positions, dtype=np.intp)
-    if rows.history is None or rows.mask is None:
-        return RowBatch(rows.features[index], None, None)
-    return RowBatch(rows.features[index], rows.history[index], rows.mask[index])

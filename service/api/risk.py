@@ -11,26 +11,27 @@ import grpc
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
-from service import explain
-from service.batcher import Scored
-from service.codec import DECISIONS, RowBatch, decode_score_batch, decode_score_request
-from service.experiments import Experiments
-from service.handlers.boundary import (
-    Malformed,
-    deadline_for,
+from service.api.boundary import (
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
 )
-from service.handlers.stream import (
+from service.api.codec import DECISIONS, decode_score_batch, decode_score_request
+from service.api.registration import Malformed
+from service.api.stream import (
     DEFAULT_MAX_IN_FLIGHT,
     MessageContext,
     MessageStreams,
     stream_method,
 )
-from service.registry import ModelRegistry, ModelVersion
-from service.routing import RequestRouter, take_rows
+from service.batching.batcher import Scored
+from service.batching.budget import Budget
+from service.batching.rows import RowBatch
+from service.explanations import occlusion as explain
+from service.models.experiments import Experiments
+from service.models.registry import ModelRegistry, ModelVersion
+from service.models.routing import RequestRouter
 from service.telemetry import Telemetry
 
 __all__ = ["RiskScoringServicer"]
@@ -43,7 +44,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         self,
         registry: ModelRegistry,
         default_model: str,
-        budget_s: float,
+        budget: Budget,
         experiments: Experiments | None = None,
         telemetry: Telemetry | None = None,
         router: RequestRouter | None = None,
@@ -52,17 +53,17 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
     ) -> None:
         self._explain_when: explain.ExplainWhen = explain_when
         self.telemetry = telemetry
-        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget_s)
+        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget)
         self._registry = registry
         self._default_model = default_model
-        self._budget_s = budget_s
+        self._budget = budget
         self._router = router or RequestRouter(registry, experiments)
 
     @rpc_boundary
     async def Score(
         self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> pb.ScoreResponse:
-        return await self._score_one(request, deadline_for(context, self._budget_s))
+        return await self._score_one(request, self._budget.deadline(context.time_remaining()))
 
     async def _score_one(self, request: pb.ScoreRequest, deadline: float) -> pb.ScoreResponse:
         """Route, score and record one request: Score's path, and each message's of ScoreStream;
@@ -115,16 +116,17 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         assignments = self._router.route_rows(
             name, request.model_version, [item.entity_id for item in items]
         )
-        deadline = deadline_for(context, self._budget_s)
+        deadline = self._budget.deadline(context.time_remaining())
         decode_started_ns = time.monotonic_ns()
-        decoded: dict[object, RowBatch] = {}
-        groups = []
+        decoded: dict[object, tuple[RowBatch, ...]] = {}
+        groups: list[tuple[RowBatch, ...]] = []
         for assignment in assignments:
             manifest = assignment.model.manifest
             layout = (manifest.features_input, manifest.features, manifest.history)
             if layout not in decoded:  # versions with the same inputs share one decoding
                 decoded[layout] = decode_score_batch(request, manifest)
-            groups.append(take_rows(decoded[layout], assignment.rows))
+            rows = decoded[layout]
+            groups.append(tuple(rows[i] for i in assignment.rows))
         note_validated(decode_started_ns)
         if len(groups) == 1:
             outcomes = [await assignments[0].model.batcher.submit(groups[0], deadline)]
@@ -136,7 +138,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 )
             )
         replies: list[pb.ScoreResponse | None] = [None] * len(items)
-        for assignment, rows, scored in zip(assignments, groups, outcomes, strict=True):
+        for assignment, group, scored in zip(assignments, groups, outcomes, strict=True):
             model = assignment.model
             note_scored(self.telemetry, model.name, model.version, scored)
             for k, i in enumerate(assignment.rows):
@@ -148,7 +150,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 assignment.routes,
                 [items[i].request_id for i in assignment.rows],
                 [items[i].entity_id for i in assignment.rows],
-                rows,
+                RowBatch.concat(group, model.manifest.history),  # the shadow copy's rows
                 scored,
                 time.perf_counter() - started,
             )
@@ -201,7 +203,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
 async def _score_message(
     servicer: RiskScoringServicer, request: pb.ScoreRequest, context: MessageContext
 ) -> pb.ScoreResponse:
-    return await servicer._score_one(request, deadline_for(context, servicer._budget_s))
+    return await servicer._score_one(request, servicer._budget.deadline(context.time_remaining()))
 
 
 def _score_error(

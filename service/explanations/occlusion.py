@@ -19,10 +19,10 @@ import numpy as np
 
 from engines.manifest import Manifest
 from riskscoring.v1 import risk_scoring_pb2 as pb
-from service.batcher import Scored
-from service.codec import RowBatch
+from service.batching.batcher import Scored
+from service.batching.rows import RowBatch
 from service.errors import InvalidRequest
-from service.reasons import (
+from service.explanations.reasons import (
     ADVERSE_DECISIONS,
     Explained,
     ExplainWhen,

@@ -17,24 +17,24 @@ import grpc
 from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
-from service.codec import checked_model_name, decode_infer_request, encode_infer_response
-from service.errors import InvalidRequest
-from service.handlers.boundary import (
-    Malformed,
-    deadline_for,
+from service.api.boundary import (
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
 )
-from service.handlers.stream import (
+from service.api.codec import checked_model_name, decode_infer_request, encode_infer_response
+from service.api.registration import Malformed
+from service.api.stream import (
     DEFAULT_MAX_IN_FLIGHT,
     MessageContext,
     MessageStreams,
     stream_method,
 )
-from service.registry import ModelRegistry, ModelVersion
-from service.routing import RequestRouter
+from service.batching.budget import Budget
+from service.errors import InvalidRequest
+from service.models.registry import ModelRegistry, ModelVersion
+from service.models.routing import RequestRouter
 from service.telemetry import Telemetry
 
 __all__ = ["InferenceServicer"]
@@ -59,17 +59,17 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     def __init__(
         self,
         registry: ModelRegistry,
-        budget_s: float,
+        budget: Budget,
         server_version: str,
         telemetry: Telemetry | None = None,
         router: RequestRouter | None = None,
         streams: MessageStreams | None = None,
     ) -> None:
         self.telemetry = telemetry
-        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget_s)
+        self.streams = streams or MessageStreams(DEFAULT_MAX_IN_FLIGHT, budget)
         self._registry = registry
         self._router = router or RequestRouter(registry)
-        self._budget_s = budget_s
+        self._budget = budget
         self._server_version = server_version
         self.draining = False
 
@@ -141,7 +141,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
-        return await self._infer_one(request, deadline_for(context, self._budget_s))
+        return await self._infer_one(request, self._budget.deadline(context.time_remaining()))
 
     async def ModelStreamInfer(
         self,
@@ -205,7 +205,7 @@ def _row_ids(request_id: str, rows: int) -> tuple[str, ...]:
 async def _infer_message(
     servicer: InferenceServicer, request: oip.ModelInferRequest, context: MessageContext
 ) -> oip.ModelStreamInferResponse:
-    reply = await servicer._infer_one(request, deadline_for(context, servicer._budget_s))
+    reply = await servicer._infer_one(request, servicer._budget.deadline(context.time_remaining()))
     return oip.ModelStreamInferResponse(infer_response=reply)
 
 

@@ -16,14 +16,13 @@ GIL back. A hand-off to an engine thread and back takes the GIL twice, each time
 interpreter's switch interval (5 ms) while the loop is busy: that, not compute, was most of the
 latency of a lightly loaded server.
 
-The registry turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
+The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
 stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
-engine threads, so the loop
-keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
-runs one merged batch at a time. Dispatch happens on the event loop, in the call that queued a
-request or in the callback that reports a finished batch: no task wakes up to look at the queue,
-and a batch crosses threads once each way.
+engine threads, so the loop keeps admitting, queueing and shedding while they run. Each worker
+is a thread of its own that runs one merged batch at a time. Dispatch happens on the event
+loop, in the call that queued a request or in the callback that reports a finished batch: no
+task wakes up to look at the queue, and a batch crosses threads once each way.
 """
 
 from __future__ import annotations
@@ -35,49 +34,39 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.codec import RowBatch
+from service.batching.rows import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
-__all__ = ["INLINE_MAX_S", "BatchOutcome", "EngineTimeModel", "MicroBatcher", "Scored"]
+__all__ = ["INLINE_MAX_S", "EngineTimeModel", "MicroBatcher", "Scored"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class BatchOutcome:
-    """What running one merged batch produced."""
+@dataclass(slots=True)
+class Scored:
+    """Scores and how they were made: what an engine run returns for its whole batch, and
+    what each caller gets back for its share (the batcher slices the one into the others)."""
 
     scores: np.ndarray  # (rows,)
     engine: str
-    fallback_reason: str
-    engine_s: float
+    fallback_reason: str = ""
+    engine_s: float = 0.0
     precision: str = ""
     # The engine of each row, where a batch was split between an engine and the fallback.
     row_engines: tuple[str, ...] = ()
-
-
-@dataclass(slots=True)
-class Scored:
-    """One caller's share of an executed batch."""
-
-    scores: np.ndarray
-    engine: str
-    fallback_reason: str
-    queue_s: float
-    engine_s: float
-    batch_rows: int
+    batch_rows: int = 0
+    queue_s: float = 0.0
     degraded: bool = False
     # Monotonic nanoseconds: queued, handed to the engine, back from it (stage spans).
     enqueued_ns: int = 0
     dispatched_ns: int = 0
     done_ns: int = 0
-    row_engines: tuple[str, ...] = ()
     # The executed batch's trace (None when tracing is off or nothing ran).
     batch_trace: BatchTrace | None = None
 
@@ -96,13 +85,8 @@ class EngineTimeModel:
     Exponentially weighted least squares, so it follows the machine as load and clocks change.
     """
 
-    def __init__(
-        self, forget: float = 0.98, initial_s: float = 0.001, margin: float = 1.25
-    ) -> None:
+    def __init__(self, forget: float = 0.98, initial_s: float = 0.001) -> None:
         self._forget = forget
-        # Estimates are means; queueing behind them is not. 25 % headroom keeps the admitted
-        # requests' tail inside the deadline instead of at it.
-        self.margin = margin
         self._sw = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._initial_s = initial_s
 
@@ -120,10 +104,7 @@ class EngineTimeModel:
         self._sxy = f * self._sxy + x * seconds
 
     def estimate_s(self, rows: int, history_length: int) -> float:
-        """Expected engine seconds, padded by `margin` so admission errs on the safe side."""
-        return self._fit_s(rows, history_length) * self.margin
-
-    def _fit_s(self, rows: int, history_length: int) -> float:
+        """Expected engine seconds (a mean: `service.batching.budget.MARGIN` covers its error)."""
         if self._sw == 0.0:
             return self._initial_s
         x = self.cells(rows, history_length)
@@ -140,7 +121,9 @@ class EngineTimeModel:
 class _Job:
     deadline: float
     seq: int
-    batch: RowBatch = field(compare=False)
+    parts: tuple[RowBatch, ...] = field(compare=False)
+    rows: int = field(compare=False)
+    history_length: int = field(compare=False)
     enqueued: float = field(compare=False)
     future: asyncio.Future[Scored] = field(compare=False)
     trace: RequestTrace | None = field(compare=False, default=None)
@@ -158,7 +141,12 @@ class _Running:
     trace: BatchTrace | None
 
 
-RunBatch = Callable[[RowBatch], BatchOutcome]
+RunBatch = Callable[[RowBatch], Scored]
+
+
+def _parts(jobs: list[_Job]) -> list[RowBatch]:
+    return [part for job in jobs for part in job.parts]
+
 
 # A batch's padded history cells may be at most this multiple of its rows' own cells: padding a
 # short history to a long one costs the engine the long one's work (the attention over the
@@ -167,30 +155,9 @@ _MAX_PADDING = 1.5
 # Jobs passed over for padding in one take, so a long queue is never scanned whole.
 _MAX_DEFERRED = 16
 # Batches expected to run at most this long run on the event loop (see the module's notes). The
-# estimate carries the time model's headroom and follows a loaded machine's slower runs, so the
-# bound sits well above a small batch's 0.15 to 1 ms, below a slow engine's 5 ms and more.
+# estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
+# 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
-
-
-def merge(batches: list[RowBatch]) -> RowBatch:
-    """Concatenate rows, padding every history to the longest in the batch."""
-    if len(batches) == 1:
-        return batches[0]
-    features = np.concatenate([b.features for b in batches])
-    if batches[0].history is None:
-        return RowBatch(features, None, None)
-    length = max(b.history_length for b in batches)
-    width = batches[0].history.shape[2]  # type: ignore[union-attr]
-    rows = features.shape[0]
-    history = np.zeros((rows, length, width), dtype=np.float32)
-    mask = np.zeros((rows, length), dtype=np.float32)
-    start = 0
-    for b in batches:
-        end = start + b.rows
-        history[start:end, : b.history_length] = b.history
-        mask[start:end, : b.history_length] = b.mask
-        start = end
-    return RowBatch(features, history, mask)
 
 
 class MicroBatcher:
@@ -234,7 +201,7 @@ class MicroBatcher:
         self._scheduled: asyncio.Handle | None = None
         self._closing = False
 
-    def run_batch(self, rows: RowBatch) -> BatchOutcome:
+    def run_batch(self, rows: RowBatch) -> Scored:
         """Run rows on the engines directly, bypassing the queue (warm-up, tools)."""
         return self._run_batch(rows)
 
@@ -270,11 +237,15 @@ class MicroBatcher:
             for job in running.jobs:
                 self._fail(job, Unavailable("server is shutting down"))
 
-    async def submit(self, batch: RowBatch, deadline: float) -> Scored:
-        """Queue `batch` to be scored by monotonic time `deadline`; wait for its scores."""
+    async def submit(self, batch: RowBatch | Sequence[RowBatch], deadline: float) -> Scored:
+        """Queue a request's rows to be scored by monotonic time `deadline`; wait for their
+        scores. Rows given as several parts are padded together only with their batch."""
+        parts = (batch,) if isinstance(batch, RowBatch) else tuple(batch)
+        rows = sum(p.rows for p in parts)
+        length = max(p.history_length for p in parts)
         if self._closing:
             raise Unavailable("server is shutting down")
-        if self._queued_rows + batch.rows > self.max_queue_rows and self._queued_rows > 0:
+        if self._queued_rows + rows > self.max_queue_rows and self._queued_rows > 0:
             self._shed("queue_full")
             raise Overloaded(
                 f"queue holds {self._queued_rows} rows, limit {self.max_queue_rows}; retry later"
@@ -283,22 +254,21 @@ class MicroBatcher:
         now = time.monotonic()
         future: asyncio.Future[Scored] = self._loop.create_future()
         trace = current_request_trace() if self._tracing is not None else None
-        job = _Job(deadline, next(self._seq), batch, now, future, trace)
-        if now + self._estimate_wait_s(batch) > deadline:
+        job = _Job(deadline, next(self._seq), parts, rows, length, now, future, trace)
+        if now + self._estimate_wait_s(rows, length) > deadline:
             self._shed("deadline")
             if self._degrade:
                 return self._degraded(job, now)
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
         heapq.heappush(self._heap, job)
-        self._queued_rows += batch.rows
+        self._queued_rows += rows
         self._kick()
         return await future
 
-    def _estimate_wait_s(self, batch: RowBatch) -> float:
-        """Time until `batch` would be done: a worker to free up, the queue ahead, its own run."""
+    def _estimate_wait_s(self, rows: int, length: int) -> float:
+        """Time until `rows` would be done: a worker to free up, the queue ahead, their own run."""
         model = self.time_model
-        length = batch.history_length
-        own = model.estimate_s(batch.rows, length)
+        own = model.estimate_s(rows, length)
         if len(self._running) < self._workers_n and not self._heap:
             return own
         now = time.monotonic()
@@ -323,7 +293,7 @@ class MicroBatcher:
 
     def _pop(self) -> _Job:
         job = heapq.heappop(self._heap)
-        self._queued_rows -= job.batch.rows
+        self._queued_rows -= job.rows
         return job
 
     def _take(self) -> list[_Job]:
@@ -346,7 +316,7 @@ class MicroBatcher:
             if job.future.done():  # the caller went away (cancelled)
                 self._pop()
                 continue
-            job_rows, job_length = job.batch.rows, job.batch.history_length
+            job_rows, job_length = job.rows, job.history_length
             if now + model.estimate_s(job_rows, job_length) > job.deadline:
                 self._pop()
                 self._shed("deadline")
@@ -372,13 +342,13 @@ class MicroBatcher:
             earliest = min(earliest, job.deadline)
         for job in deferred:
             heapq.heappush(self._heap, job)
-            self._queued_rows += job.batch.rows
+            self._queued_rows += job.rows
         return taken
 
     @staticmethod
     def _degraded(job: _Job, now: float) -> Scored:
-        scores = np.full(job.batch.rows, np.nan, dtype=np.float32)
-        return Scored(scores, "", "deadline", now - job.enqueued, 0.0, 0, degraded=True)
+        scores = np.full(job.rows, np.nan, dtype=np.float32)
+        return Scored(scores, "", "deadline", queue_s=now - job.enqueued, degraded=True)
 
     # -- dispatch (event loop) -------------------------------------------------------------
 
@@ -411,7 +381,7 @@ class MicroBatcher:
     def _hand_off(self) -> None:
         token, running = self._start_next()
         if running is not None:
-            self._inbox.put((token, [j.batch for j in running.jobs]))
+            self._inbox.put((token, _parts(running.jobs)))
 
     def _dispatch_next(self) -> None:
         """Start the next batch: on the event loop when it is short, else on an engine thread."""
@@ -424,12 +394,12 @@ class MicroBatcher:
                 continue
             estimate_s = self.time_model.estimate_s(running.rows, running.history_length)
             if estimate_s > self._inline_max_s:
-                self._inbox.put((token, [j.batch for j in running.jobs]))
+                self._inbox.put((token, _parts(running.jobs)))
                 self._dispatch()  # more workers may be free
                 return
             try:
-                outcome: BatchOutcome | BaseException = self._run_batch(
-                    merge([j.batch for j in running.jobs])
+                outcome: Scored | BaseException = self._run_batch(
+                    RowBatch.concat(_parts(running.jobs))
                 )
             except Exception as exc:  # the batch fails, the loop goes on
                 outcome = exc
@@ -442,8 +412,8 @@ class MicroBatcher:
         token = next(self._seq)
         if not jobs:
             return token, None
-        rows = sum(j.batch.rows for j in jobs)
-        length = max(j.batch.history_length for j in jobs)
+        rows = sum(j.rows for j in jobs)
+        length = max(j.history_length for j in jobs)
         trace = None
         if self._tracing is not None:
             trace = self._tracing.start_batch(
@@ -476,7 +446,7 @@ class MicroBatcher:
                 return
             token, batches = item
             try:
-                outcome: BatchOutcome | BaseException = self._run_batch(merge(batches))
+                outcome: Scored | BaseException = self._run_batch(RowBatch.concat(batches))
             except BaseException as exc:  # handed to the event loop, which fails the batch
                 outcome = exc
             try:
@@ -484,16 +454,14 @@ class MicroBatcher:
             except RuntimeError:  # the loop closed while the batch ran
                 return
 
-    def _finish(self, token: int, outcome: BatchOutcome | BaseException, done_ns: int) -> None:
+    def _finish(self, token: int, outcome: Scored | BaseException, done_ns: int) -> None:
         running = self._running.pop(token)
         try:
             self._deliver(running, outcome, done_ns)
         finally:
             self._kick()
 
-    def _deliver(
-        self, running: _Running, outcome: BatchOutcome | BaseException, done_ns: int
-    ) -> None:
+    def _deliver(self, running: _Running, outcome: Scored | BaseException, done_ns: int) -> None:
         jobs = running.jobs
         if isinstance(outcome, ServiceError):
             for job in jobs:
@@ -518,26 +486,27 @@ class MicroBatcher:
         self._observe(jobs, outcome, running.rows, started)
         start = 0
         for job in jobs:
-            end = start + job.batch.rows
+            end = start + job.rows
             if not job.future.done():
                 job.future.set_result(
                     Scored(
                         outcome.scores[start:end],
                         outcome.engine,
                         outcome.fallback_reason,
-                        started - job.enqueued,
                         outcome.engine_s,
+                        outcome.precision,
+                        outcome.row_engines[start:end],
                         running.rows,
+                        started - job.enqueued,
                         enqueued_ns=int(job.enqueued * 1e9),
                         dispatched_ns=started_ns,
                         done_ns=done_ns,
-                        row_engines=outcome.row_engines[start:end],
                         batch_trace=running.trace,
                     )
                 )
             start = end
 
-    def _observe(self, jobs: list[_Job], outcome: BatchOutcome, rows: int, started: float) -> None:
+    def _observe(self, jobs: list[_Job], outcome: Scored, rows: int, started: float) -> None:
         if self._telemetry is None:
             return
         metrics = self._telemetry.metrics

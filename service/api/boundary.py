@@ -1,4 +1,4 @@
-"""The error boundary every RPC passes through, and the request deadline."""
+"""The boundary every RPC passes through: its trace, its error status, its request metric."""
 
 from __future__ import annotations
 
@@ -12,21 +12,15 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.descriptor import ServiceDescriptor
-from google.protobuf.message import DecodeError
-from google.protobuf.message_factory import GetMessageClass
 
-from service.batcher import Scored
+from service.api.admission import SCORING_METHODS, Admission, refuse
+from service.api.registration import Malformed
+from service.batching.batcher import Scored
 from service.errors import DeadlineMissed, InvalidRequest, ServiceError, status_for
 from service.telemetry import RequestTrace, Telemetry, current_request_trace, current_trace_id
 from service.telemetry.tracing import DECISION_DROPPED
 
 __all__ = [
-    "SCORING_METHODS",
-    "Admission",
-    "Malformed",
-    "deadline_for",
-    "generic_handler",
     "note_model",
     "note_scored",
     "note_validated",
@@ -119,72 +113,6 @@ Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
-class Malformed:
-    """Stands in for a request whose bytes did not parse, so the handler can say so."""
-
-    def __init__(self, type_name: str) -> None:
-        self.type_name = type_name
-
-
-def _lenient(message_class: Any) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        try:
-            return message_class.FromString(data)
-        except (DecodeError, ValueError, RuntimeError):
-            return Malformed(message_class.DESCRIPTOR.full_name)
-
-    return parse
-
-
-def generic_handler(servicer: Any, service: ServiceDescriptor) -> grpc.GenericRpcHandler:
-    """Method handlers for a servicer whose undecodable requests become INVALID_ARGUMENT.
-
-    gRPC's generated registration answers a request that fails to parse with a bare INTERNAL;
-    a caller sending bad bytes deserves to be told its request is malformed.
-    """
-    handlers = {
-        method.name: (
-            grpc.stream_stream_rpc_method_handler
-            if method.client_streaming and method.server_streaming
-            else grpc.unary_unary_rpc_method_handler
-        )(
-            getattr(servicer, method.name),
-            request_deserializer=_lenient(GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString,
-        )
-        for method in service.methods
-    }
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
-
-
-# The RPCs that queue for an engine, and so are bounded by `Admission`.
-SCORING_METHODS = frozenset({"Score", "ScoreBatch", "ModelInfer"})
-
-
-class Admission:
-    """At most `limit` scoring RPCs inside the service at once; the rest are refused at once.
-
-    A request the batcher has seen is shed by its deadline when the queue ahead is too long; a
-    request the event loop has not reached yet waits where nothing can see it. Bounding the
-    calls admitted keeps that unseen wait short: an overloaded loop spends a refusal's few
-    microseconds on the excess instead of decoding, queueing and timing it out, so the calls
-    admitted still run at the service's capacity and the callers' p99 stays inside the budget.
-    The servicers share one (their `admission` attribute); one event loop updates it.
-    """
-
-    __slots__ = ("active", "limit")
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.active = 0
-
-
-def _refuse(telemetry: Telemetry | None, admission: Admission) -> str:
-    if telemetry is not None:
-        telemetry.metrics.count_shed("", "concurrency")
-    return f"{admission.active} requests in progress, limit {admission.limit}; retry later"
-
-
 def _check_not_expired(telemetry: Telemetry | None, context: grpc.aio.ServicerContext) -> None:
     """Refuse a call whose caller's deadline passed while it waited to be read: its caller has
     gone, and scoring it would only take the engine from calls that can still make theirs."""
@@ -210,7 +138,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         telemetry: Telemetry | None = getattr(self, "telemetry", None)
         admission: Admission | None = getattr(self, "admission", None) if bounded else None
         if admission is not None and admission.active >= admission.limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _refuse(telemetry, admission))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refuse(telemetry, admission))
         tracing = telemetry.tracing if telemetry is not None else None
         started = time.perf_counter()
         call = _CallLabels()
@@ -306,18 +234,3 @@ def _cancelled_code(context: grpc.aio.ServicerContext) -> grpc.StatusCode:
     if remaining_s is not None and remaining_s <= 0:
         return grpc.StatusCode.DEADLINE_EXCEEDED
     return grpc.StatusCode.CANCELLED
-
-
-# Share of a request's time kept back for what follows scoring: the hand-back to the event
-# loop, the response, and the estimate's own error. Without it the admitted requests' p99 sat
-# at the budget itself under overload (49.5 and 50.5 ms for a 50 ms budget in the overload
-# test), since the batcher admits whatever it expects to finish just in time.
-REPLY_RESERVE = 0.05
-
-
-def deadline_for(context: grpc.aio.ServicerContext, budget_s: float) -> float:
-    """Monotonic time by which the request must be scored: its gRPC deadline, else the budget,
-    less the reply reserve."""
-    remaining = context.time_remaining()
-    remaining_s = budget_s if remaining is None else max(remaining, 0.0)
-    return time.monotonic() + remaining_s * (1.0 - REPLY_RESERVE)

@@ -1,0 +1,87 @@
+"""`RowBatch`: the one shape a request's rows have from decoding to the engine.
+
+The codec builds it from the wire, the batcher queues and merges it, the explainer tiles it,
+and `RowBatch.feed` names its arrays as the model's inputs for the engine. `RowBatch.concat` is
+the one place histories are padded: to the longest row of what it joins, zeros after each
+row's length, with the mask saying which rows are real.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engines.manifest import HistorySpec, Manifest
+
+__all__ = ["RowBatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class RowBatch:
+    """Validated rows of one model: what the batcher queues and the engines consume."""
+
+    features: np.ndarray  # (n, F) float32
+    history: np.ndarray | None  # (n, T, H) float32, zero-padded after each row's length
+    mask: np.ndarray | None  # (n, T) float32, 1 for a real row, 0 for padding
+
+    @property
+    def rows(self) -> int:
+        return int(self.features.shape[0])
+
+    @property
+    def history_length(self) -> int:
+        return 0 if self.history is None else int(self.history.shape[1])
+
+    @classmethod
+    def single(
+        cls, features: np.ndarray, history: np.ndarray, spec: HistorySpec | None
+    ) -> RowBatch:
+        """One row: a feature vector (F,) and its history (L, H), unpadded unless the model
+        needs at least `spec.min_padded_length` rows."""
+        if spec is None:
+            return cls(features[np.newaxis], None, None)
+        length = history.shape[0]
+        if length >= spec.min_padded_length:
+            return cls(
+                features[np.newaxis],
+                history[np.newaxis],
+                np.ones((1, length), dtype=np.float32),
+            )
+        return cls.concat([cls(features[np.newaxis], history[np.newaxis], None)], spec)
+
+    @classmethod
+    def concat(cls, parts: Sequence[RowBatch], spec: HistorySpec | None = None) -> RowBatch:
+        """The parts' rows in order, every history padded to the longest (and to at least
+        `spec.min_padded_length`); a part without a mask has every history row real."""
+        if len(parts) == 1 and parts[0].mask is not None:
+            return parts[0]
+        features = np.concatenate([p.features for p in parts])
+        first = parts[0].history
+        if first is None:
+            return cls(features, None, None)
+        floor = spec.min_padded_length if spec is not None else 1
+        length = max(floor, max(p.history_length for p in parts))
+        rows = features.shape[0]
+        history = np.zeros((rows, length, first.shape[2]), dtype=np.float32)
+        mask = np.zeros((rows, length), dtype=np.float32)
+        start = 0
+        for part in parts:
+            end = start + part.rows
+            history[start:end, : part.history_length] = part.history
+            if part.mask is None:
+                mask[start:end, : part.history_length] = 1.0
+            else:
+                mask[start:end, : part.history_length] = part.mask
+            start = end
+        return cls(features, history, mask)
+
+    def feed(self, manifest: Manifest) -> dict[str, np.ndarray]:
+        """The engine inputs, named as the model's ONNX inputs."""
+        inputs = {manifest.features_input: self.features}
+        spec = manifest.history
+        if spec is not None and self.history is not None and self.mask is not None:
+            inputs[spec.input] = self.history
+            inputs[spec.mask_input] = self.mask
+        return inputs

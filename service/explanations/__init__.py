@@ -1,0 +1,1 @@
+"""Reason codes: occlusion contributions computed with the score, and the manifest's codes."""

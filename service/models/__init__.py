@@ -1,0 +1,1 @@
+"""The model store: version folders, loading engines, running batches, the serving version."""

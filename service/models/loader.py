@@ -1,0 +1,203 @@
+"""Turning a version folder into a servable `ModelVersion`: engines, pool, batcher, warm-up.
+
+Which engines a version gets is the engine factory's choice (`default_engines`: TensorRT plans
+where TensorRT runs, validated ONNX variants, ONNX Runtime FP32 as the fallback); the loader
+caps the batch at the largest optimization profile, wires the batcher to the pool, measures
+the engines' speed where there is a choice, and seeds the engine-time model by running each
+batch size once.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from engines.base import Engine, EngineUnavailable
+from engines.manifest import Manifest, load_manifest
+from engines.onnxrt import OnnxRuntimeEngine
+from engines.pool import EnginePool
+from engines.trt import load_engines
+from engines.validation import accepted_variants
+from service.batching.batcher import INLINE_MAX_S, EngineTimeModel, MicroBatcher
+from service.batching.rows import RowBatch
+from service.errors import Unavailable
+from service.models.compute import run_on_pool
+from service.models.version import ModelVersion
+from service.telemetry import Telemetry
+
+__all__ = ["EngineFactory", "VersionLoader", "batch_cap", "default_engines", "settle_heap"]
+
+log = logging.getLogger(__name__)
+
+
+EngineFactory = Callable[[Path, Manifest], tuple[list[Engine], Engine]]
+
+
+def default_engines(
+    intra_op_threads: int, max_concurrency: int, *, tensorrt: bool, onnx_variants: bool
+) -> EngineFactory:
+    """TensorRT plans where TensorRT runs, validated ONNX variants, and ONNX Runtime FP32.
+
+    FP32 on ONNX Runtime is both a candidate and the fallback that takes any shape. Only
+    variants that `accepted_variants` passes (the manifest's tolerance) are ever loaded.
+    """
+
+    def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
+        accepted = accepted_variants(path, manifest=manifest)
+        fallback = OnnxRuntimeEngine.from_model_dir(
+            path, manifest, intra_op_threads=intra_op_threads, max_concurrency=max_concurrency
+        )
+        engines: list[Engine] = []
+        if tensorrt and len(accepted) > 1:
+            try:
+                engines += load_engines(path, accepted)
+            except EngineUnavailable as exc:
+                log.info("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
+        if onnx_variants:
+            for precision in accepted:
+                if precision != "fp32":
+                    engines.append(
+                        OnnxRuntimeEngine.from_model_dir(
+                            path,
+                            manifest,
+                            precision=precision,
+                            intra_op_threads=intra_op_threads,
+                            max_concurrency=max_concurrency,
+                        )
+                    )
+        if engines:
+            engines.append(fallback)
+        return engines, fallback
+
+    return build
+
+
+def batch_cap(limit: int, manifest: Manifest, engines: Sequence[Engine]) -> int:
+    """The most rows one batch may hold: `limit` (the setting), and no more than the largest
+    optimization profile of the version's engines, or where none has a profile (ONNX Runtime
+    takes any batch), of the manifest's TensorRT profiles."""
+    profiled = [e.max_batch_size for e in engines if e.max_batch_size is not None]
+    if not profiled:
+        profiled = [p.batch[2] for specs in manifest.profiles.values() for p in specs]
+    return min(limit, max(profiled)) if profiled else limit
+
+
+class VersionLoader:
+    """Builds `ModelVersion`s with one set of batching settings."""
+
+    def __init__(
+        self,
+        engine_factory: EngineFactory,
+        *,
+        max_batch_rows: int,
+        max_queue_rows: int,
+        workers: int,
+        max_queue_delay_s: float,
+        inline_max_s: float = INLINE_MAX_S,
+        warmup_iterations: int,
+        degrade_on_deadline: bool,
+        telemetry: Telemetry | None = None,
+    ) -> None:
+        self._engine_factory = engine_factory
+        self._max_batch_rows = max_batch_rows
+        self._max_queue_rows = max_queue_rows
+        self._workers = workers
+        self._max_queue_delay_s = max_queue_delay_s
+        self._inline_max_s = inline_max_s
+        self._warmup_iterations = warmup_iterations
+        self._degrade = degrade_on_deadline
+        self._telemetry = telemetry
+
+    def build(self, path: Path) -> ModelVersion:
+        """Load, calibrate and warm the version in `path` (blocks: run it off the loop)."""
+        manifest = load_manifest(path)
+        if manifest.version != path.name or manifest.name != path.parent.name:
+            raise Unavailable(
+                f"{path}: manifest names {manifest.name}/{manifest.version}, "
+                f"folder is {path.parent.name}/{path.name}"
+            )
+        engines, fallback = self._engine_factory(path, manifest)
+        pool = EnginePool.for_manifest(manifest, engines, fallback)
+        precisions = {e.name: e.precision for e in (*engines, fallback)}
+        max_rows = batch_cap(self._max_batch_rows, manifest, [*engines, fallback])
+        workers = self._workers or max(e.max_concurrency for e in [*engines, fallback])
+        time_model = EngineTimeModel()
+        batcher = MicroBatcher(
+            functools.partial(run_on_pool, manifest, pool, precisions),
+            max_batch_rows=max_rows,
+            max_queue_rows=self._max_queue_rows,
+            workers=workers,
+            max_queue_delay_s=self._max_queue_delay_s,
+            time_model=time_model,
+            degrade_on_deadline=self._degrade,
+            telemetry=self._telemetry,
+            labels=(manifest.name, manifest.version),
+            # A call that can hang must not hold the event loop: then every batch goes to the
+            # engine threads.
+            inline_max_s=0.0
+            if any(e.can_hang for e in (*engines, fallback))
+            else self._inline_max_s,
+        )
+        model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
+        if len(pool.engines) > 1:
+            sample = _warmup_rows(manifest, 1, _TYPICAL_HISTORY).feed(manifest)
+            report = pool.calibrate(sample, sorted({1, 8, max_rows}))
+            log.info("%s/%s engines by speed: %s", manifest.name, manifest.version, report.order)
+        self._warm(model, time_model, max_rows)
+        log.info(
+            "loaded %s/%s from %s: engines %s, fallback %s, batch <= %d, %d workers",
+            manifest.name,
+            manifest.version,
+            path,
+            [e.name for e in pool.engines],
+            fallback.name,
+            max_rows,
+            workers,
+        )
+        return model
+
+    def _warm(self, model: ModelVersion, time_model: EngineTimeModel, max_rows: int) -> None:
+        """Run each power-of-two batch size to seed the engine-time model."""
+        manifest = model.manifest
+        length = min(_TYPICAL_HISTORY, manifest.history.max_length) if manifest.history else 0
+        sizes = sorted(
+            {1, max_rows, *(2**k for k in range(max_rows.bit_length()) if 2**k <= max_rows)}
+        )
+        for _ in range(self._warmup_iterations):
+            for rows in sizes:
+                batch = _warmup_rows(manifest, rows, length)
+                outcome = model.batcher.run_batch(batch)
+                time_model.observe(rows, length, outcome.engine_s)
+
+
+_TYPICAL_HISTORY = 32
+
+
+def settle_heap() -> None:
+    """Collect once, then put every object alive now out of the cyclic collector's reach.
+
+    A full collection of a loaded server's heap (about 110,000 tracked objects: ONNX Runtime,
+    protobuf, OpenTelemetry, the model) takes about 50 ms on the development machine, and
+    CPython runs one whenever enough objects have survived: a 50 ms stall of the event loop,
+    five times the budget. Frozen objects (`gc.freeze`) are skipped by every later
+    collection, so those stay under a millisecond; what requests allocate is collected as
+    before. Called after each model load; the first call pays the one full collection, before
+    the server takes traffic. A version unloaded later is freed by reference counting; a
+    reference cycle inside it would stay (its objects are frozen).
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def _warmup_rows(manifest: Manifest, rows: int, length: int) -> RowBatch:
+    features = np.zeros((rows, manifest.n_features), dtype=np.float32)
+    if manifest.history is None:
+        return RowBatch(features, None, None)
+    history = np.zeros((rows, max(length, 1), len(manifest.history.fields)), dtype=np.float32)
+    mask = np.ones((rows, max(length, 1)), dtype=np.float32)
+    return RowBatch(features, history, mask)

@@ -1,0 +1,208 @@
+"""The models this process serves: lookups, the serving version, and load, reload and unload.
+
+Version folders are found by `service.models.folders` and built by `service.models.loader`
+(off the event loop, in the executor). A request that names no version is answered by the
+model's serving version (`ModelRegistry.serving_version`): the experiment's champion when an
+experiment is configured, else the version pinned in configuration, else the highest loaded.
+Versions are loaded and warmed beside what serves; a version reloaded in place is swapped in
+one step on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Protocol
+
+from service.errors import ModelNotFound, Unavailable
+from service.models.folders import discover_models, folder_snapshot, version_key
+from service.models.loader import VersionLoader, settle_heap
+from service.models.version import ModelVersion
+from service.telemetry import Telemetry
+
+__all__ = ["ModelRegistry", "ModelVersion", "ServingPreference"]
+
+log = logging.getLogger(__name__)
+
+
+class ServingPreference(Protocol):
+    """Where the experiments say which version serves (`ExperimentRouter` is one)."""
+
+    def champion(self, model: str) -> str | None: ...
+
+    def versions(self, model: str) -> tuple[str, ...]: ...
+
+
+class ModelRegistry:
+    """The models this process serves, keyed by name, each with a serving version."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        loader: VersionLoader,
+        *,
+        telemetry: Telemetry | None = None,
+        pinned_versions: Mapping[str, str] | None = None,
+    ) -> None:
+        """`loader` builds versions on `executor`'s threads."""
+        self._executor = executor
+        self._loader = loader
+        if telemetry is not None:
+            telemetry.metrics.set_queue_depth_callback(self.queue_depths)
+        self._versions: dict[str, dict[str, ModelVersion]] = {}
+        self._highest: dict[str, str] = {}
+        self._pinned = dict(pinned_versions or {})
+        self._experiments: ServingPreference | None = None
+        self._reload_listeners: list[Callable[[str, str], None]] = []
+        self.ready = False
+
+    def follow(self, experiments: ServingPreference) -> None:
+        """Serve each model's experiment champion to requests that name no version."""
+        self._experiments = experiments
+
+    def on_reload(self, listener: Callable[[str, str], None]) -> None:
+        """Call `listener(name, version)` whenever a loaded version is swapped for new files."""
+        self._reload_listeners.append(listener)
+
+    # -- lookups (event loop) -------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return sorted(self._versions)
+
+    def versions(self, name: str) -> list[str]:
+        return sorted(self._versions.get(name, {}), key=version_key)
+
+    def preferred_version(self, name: str) -> tuple[str, str] | None:
+        """The version configuration names to serve `name`, and which setting names it."""
+        if self._experiments is not None:
+            champion = self._experiments.champion(name)
+            if champion is not None:
+                return champion, "the experiment's champion"
+        pinned = self._pinned.get(name)
+        return None if pinned is None else (pinned, "pinned in the settings")
+
+    def serving_version(self, name: str) -> str:
+        """The version that answers requests naming none: champion, else pinned, else highest.
+
+        A configured version that is not loaded is an error (UNAVAILABLE), never a reason to
+        serve another: the highest may be a challenger.
+        """
+        versions = self._versions.get(name)
+        if not versions:
+            raise ModelNotFound(f"model {name!r} is not loaded")
+        preferred = self.preferred_version(name)
+        if preferred is None:
+            return self._highest[name]
+        version, why = preferred
+        if version not in versions:
+            raise Unavailable(f"model {name!r}: version {version!r} ({why}) is not loaded")
+        return version
+
+    def in_use(self, name: str) -> set[str]:
+        """Versions of `name` that must stay loaded: what serves and what configuration names."""
+        held = set(self._experiments.versions(name)) if self._experiments is not None else set()
+        if name in self._pinned:
+            held.add(self._pinned[name])
+        if name in self._highest and self.preferred_version(name) is None:
+            held.add(self._highest[name])
+        return held
+
+    def get(self, name: str, version: str = "") -> ModelVersion:
+        """`version` of model `name`; its serving version when `version` is empty."""
+        versions = self._versions.get(name)
+        if not versions:
+            raise ModelNotFound(f"model {name!r} is not loaded")
+        try:
+            return versions[version or self.serving_version(name)]
+        except KeyError:
+            raise ModelNotFound(f"model {name!r} has no version {version!r} loaded") from None
+
+    def queue_depths(self) -> dict[tuple[str, str], int]:
+        """Rows waiting per (model, version), read by the queue-depth gauge."""
+        return {(m.name, m.version): m.batcher.queued_rows for m in list(self.all())}
+
+    def all(self) -> Iterator[ModelVersion]:
+        for versions in self._versions.values():
+            yield from versions.values()
+
+    # -- loading ------------------------------------------------------------------------
+
+    async def load_dir(self, models_dir: Path) -> None:
+        """Load every model version found under `models_dir`."""
+        found = discover_models(models_dir)
+        if not found:
+            raise Unavailable(f"no model with a manifest.json under {models_dir}")
+        for versions in found.values():
+            for path in versions:
+                await self.load(path)
+        for name in self.names():
+            try:
+                log.info("%s: version %s serves", name, self.serving_version(name))
+            except Unavailable as exc:
+                log.error("%s; requests naming no version fail until it is", exc)
+        self.ready = True
+
+    async def load(self, path: Path) -> ModelVersion:
+        """Load and warm a version folder not loaded yet; it serves only as the rule says."""
+        if path.name in self._versions.get(path.parent.name, {}):
+            raise ValueError(f"{path.parent.name} version {path.name} is loaded; reload it")
+        model = await self._load(path)
+        self._versions.setdefault(model.name, {})[model.version] = model
+        self._update_highest(model.name)
+        return model
+
+    async def reload(self, path: Path, drain_s: float) -> ModelVersion:
+        """Load a loaded version's changed files beside it, swap them in, retire the old.
+
+        Requests that hold the old instance finish on it; if the new files do not load, the
+        error propagates and the old instance serves on.
+        """
+        name, version = path.parent.name, path.name
+        old = self.get(name, version)
+        model = await self._load(path)
+        self._versions[name][version] = model  # one step on the event loop
+        for listener in self._reload_listeners:
+            listener(name, version)
+        await self._retire(old, drain_s)
+        return model
+
+    async def unload(self, name: str, version: str, drain_s: float) -> None:
+        """Drain and drop a version that neither serves nor is named by configuration."""
+        if version in self.in_use(name):
+            raise ValueError(f"{name} {version} serves or is configured; it stays loaded")
+        model = self._versions[name].pop(version)
+        if self._versions[name]:
+            self._update_highest(name)
+        else:
+            del self._versions[name], self._highest[name]
+        await self._retire(model, drain_s)
+
+    async def _load(self, path: Path) -> ModelVersion:
+        files = folder_snapshot(path)  # before reading: a change during the load shows later
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(self._executor, self._loader.build, path)
+        model.files = files
+        settle_heap()
+        model.batcher.start()
+        return model
+
+    def _update_highest(self, name: str) -> None:
+        self._highest[name] = max(self._versions[name], key=version_key)
+
+    @staticmethod
+    async def _retire(model: ModelVersion, drain_s: float) -> None:
+        # Requests that looked `model` up in this turn of the event loop (a split batch submits
+        # from tasks that start on the next turn) are queued before its batcher stops admitting.
+        await asyncio.sleep(0)
+        await model.batcher.close(drain_s)
+        for engine in model.engines():
+            engine.close()
+
+    async def close(self, drain_s: float) -> None:
+        await asyncio.gather(*(m.batcher.close(drain_s) for m in self.all()))
+        for model in self.all():
+            for engine in model.engines():
+                engine.close()

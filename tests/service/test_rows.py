@@ -1,0 +1,58 @@
+"""RowBatch: the one place histories are padded, and the engine inputs it names."""
+
+from __future__ import annotations
+
+import numpy as np
+from liveserver import REPO
+
+from engines.manifest import HistorySpec, load_manifest
+from service.batching.rows import RowBatch
+
+SPEC = HistorySpec(fields=("a", "b"), max_length=8, min_padded_length=3)
+
+
+def _row(length: int, value: float) -> RowBatch:
+    history = np.full((length, 2), value, dtype=np.float32)
+    return RowBatch.single(np.full(4, value, dtype=np.float32), history, SPEC)
+
+
+def test_a_single_row_is_padded_only_to_the_models_minimum():
+    long = _row(5, 1.0)
+    assert long.history.shape == (1, 5, 2) and long.mask.tolist() == [[1.0] * 5]
+    short = _row(1, 2.0)
+    assert short.history.shape == (1, 3, 2)
+    assert short.mask.tolist() == [[1.0, 0.0, 0.0]]
+    assert short.history[0, 1:].sum() == 0.0
+    empty = _row(0, 3.0)
+    assert empty.history.shape == (1, 3, 2) and empty.mask.sum() == 0.0
+
+
+def test_concat_pads_every_history_to_the_longest_and_keeps_row_order():
+    merged = RowBatch.concat([_row(5, 1.0), _row(1, 2.0), _row(4, 3.0)])
+    assert merged.rows == 3 and merged.history_length == 5
+    assert merged.features[:, 0].tolist() == [1.0, 2.0, 3.0]
+    assert merged.mask.sum(axis=1).tolist() == [5.0, 1.0, 4.0]
+    # Padding is zeros after each row's own length; the real rows keep their values.
+    assert merged.history[1, 0].tolist() == [2.0, 2.0] and merged.history[1, 1:].sum() == 0.0
+    assert merged.history[2, :4].min() == 3.0 and merged.history[2, 4].sum() == 0.0
+
+
+def test_one_complete_part_is_passed_through_without_a_copy():
+    part = _row(5, 1.0)
+    assert RowBatch.concat([part]) is part
+
+
+def test_feed_names_the_models_inputs():
+    manifest = load_manifest(REPO / "models" / "fraud-demo" / "1")
+    demo = RowBatch(
+        np.zeros((2, manifest.n_features), np.float32),
+        np.zeros((2, 3, len(manifest.history.fields)), np.float32),
+        np.ones((2, 3), np.float32),
+    )
+    feed = demo.feed(manifest)
+    assert set(feed) == {
+        manifest.features_input,
+        manifest.history.input,
+        manifest.history.mask_input,
+    }
+    assert feed[manifest.history.input] is demo.history
