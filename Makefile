@@ -10,13 +10,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-# The CPU default; on a GPU host use `pip install -e '.[gpu]'` instead (never both).
+# The server's install: the CPU default; on a GPU host use `pip install -e '.[gpu]'` instead
+# (never both). The shadow report's `report` extra is not part of it.
 $(VENV)/.serve-installed: pyproject.toml | $(BIN)/python
 	$(PIP) -e '.[cpu]'
 	touch $@
 
+# The tests run the shadow report too: the `report` extra.
 $(VENV)/.test-installed: pyproject.toml $(VENV)/.serve-installed
-	$(PIP) -e '.[cpu,test]'
+	$(PIP) -e '.[cpu,test,report]'
 	# The stubs declare a dependency on TensorRT itself, which only NVIDIA's index serves.
 	$(PIP) --no-deps 'tensorrt-stubs==10.13.0.35.1'
 	touch $@

@@ -163,15 +163,7 @@ def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs)
         print(f"[{name}] skipped: {exc}")
         return {**record, "skipped": str(exc), "points": []}
     log_path = RESULTS_DIR / "logs" / f"{name}.log"
-    plan = LoadPlan(
-        target="",
-        model_name=spec.model_name,
-        history_len=args.history_len,
-        duration_s=args.duration_s,
-        max_requests=args.max_requests,
-        timeout_s=args.timeout_s,
-        client_procs=args.client_procs,
-    )
+    plan = LoadPlan.from_args(args, "", spec.model_name)
     client = args.client
     if client == "perf_analyzer" and not spec.supports_model_config:
         print(f"[{name}] has no ModelConfig RPC, which perf_analyzer needs: using loadgen")
@@ -273,6 +265,20 @@ def _fmt3(value: float) -> str:
     return f"{value:.3f}" if math.isfinite(value) else "n/a"
 
 
+def print_points(records: Sequence[dict]) -> None:
+    """Every point of every server, one row each: the table docs/benchmarks.md shows."""
+    print()
+    print("| server | load | req/s | errors | p50 ms | p99 ms | server CPU ms / request |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for record in records:
+        for p in _points(record):
+            load = f"c={p.load:g}" if p.mode == "concurrency" else f"{p.load:g} req/s"
+            print(
+                f"| {p.server} | {load} | {p.throughput_rps:,.0f} | {p.errors} | {p.p50_ms:.2f} "
+                f"| {p.p99_ms:.2f} | {_cpu_ms_per_ok(p):.2f} |"
+            )
+
+
 def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
     """Per-server headline figures and riskserve / peer ratios; printed and returned."""
     common = _common_rate(records, args.common_rate)
@@ -292,6 +298,7 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             "p99_ms_at_common_rate": at_common.p99_ms if at_common else math.nan,
             "server_cpu_ms_per_req_at_common_rate": _cpu_ms_per_ok(at_common),
         }
+    print_points(records)
     print()
     print(
         f"budget: p99 <= {args.budget_ms:g} ms, errors <= {args.max_error_rate:.2%}; "

@@ -92,14 +92,23 @@ def main(argv: list[str] | None = None) -> None:
     load_1m = os.getloadavg()[0]
     print(f"history length {args.history_length}; times of one session.run, ms; load {load_1m:.2f}")
     print(f"{'threads':>7} {'batch':>5} {'runs':>5} {'p50/call':>9} {'p90/call':>9} {'p50/row':>8}")
+    batches = [int(b) for b in args.batches.split(",")]
+    per_row_us: dict[int, list[float]] = {}
     for threads in (int(t) for t in args.threads.split(",")):
         session = _session(threads)
-        for batch in (int(b) for b in args.batches.split(",")):
+        per_row_us[threads] = []
+        for batch in batches:
             feed = _feed(batch, args.history_length)
             runs = max(args.runs // batch, 200)
             times_ms = time_calls_ms(session, feed, runs)
             p50, p90 = np.percentile(times_ms, [50, 90])
             print(f"{threads:>7} {batch:>5} {runs:>5} {p50:>9.3f} {p90:>9.3f} {p50 / batch:>8.4f}")
+            per_row_us[threads].append(p50 / batch * 1e3)
+    print("\nµs per row: the p50 of one call divided by its rows")
+    print("| intra-op threads | " + " | ".join(f"batch {b}" for b in batches) + " |")
+    print("|---|" + "---:|" * len(batches))
+    for threads, values in per_row_us.items():
+        print(f"| {threads} | " + " | ".join(f"{v:.0f}" for v in values) + " |")
 
 
 if __name__ == "__main__":

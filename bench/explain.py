@@ -36,17 +36,17 @@ import asyncio
 import json
 import os
 import shutil
-import subprocess
+import sys
 import tempfile
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 
+from bench import callgrind
+from bench.score_load import ScoreStream, open_loop, score_requests
 from bench.servers import ServerProcess, ServerSpec, free_port
-from demo.generator import FEATURE_NAMES, generate
 from riskscoring.v1 import risk_scoring_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +60,6 @@ class Config:
     per_feature: bool  # one code per feature (33 rows) instead of the demo's codes (15 rows)
     plain: bool  # unexplained requests at --rate
     explained: str  # "", or the explained requests' mode (at --rate, or --mix-rate beside plain)
-    baseline: str = "plain"  # the configuration whose unexplained p99 this one is compared with
     env: tuple[tuple[str, str], ...] = ()
 
 
@@ -70,11 +69,9 @@ CONFIGS = {
     "explained-33": Config(per_feature=True, plain=False, explained="always"),
     "adverse": Config(per_feature=False, plain=False, explained="adverse"),
     "mixed": Config(per_feature=False, plain=True, explained="always"),
-    "plain-w2": Config(False, True, "", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
-    "mixed-w2": Config(False, True, "always", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
-    "explained-33-w2": Config(
-        True, False, "always", "plain-w2", (("RISKSERVE_ENGINE_WORKERS", "2"),)
-    ),
+    "plain-w2": Config(False, True, "", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
+    "mixed-w2": Config(False, True, "always", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
+    "explained-33-w2": Config(True, False, "always", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
 }
 WHEN = {"always": pb.EXPLAIN_ALWAYS, "adverse": pb.EXPLAIN_ADVERSE}
 
@@ -93,108 +90,56 @@ def _models(root: Path, per_feature: bool) -> Path:
 
 
 def _payloads(n: int, max_history: int, explained: str) -> list[bytes]:
-    data = generate(n, seed=5_000_011)
-    out = []
-    for i in range(n):
-        request = pb.ScoreRequest(
-            request_id=f"e{i}",
-            entity_id=data.entity_ids[i],
-            features={k: float(v) for k, v in zip(FEATURE_NAMES, data.features[i], strict=True)},
-            history=[pb.HistoryRow(values=r.tolist()) for r in data.histories[i][:max_history]],
-        )
-        if explained:
-            request.explain_top_k, request.explain_when = TOP_K, WHEN[explained]
-        out.append(request.SerializeToString())
-    return out
+    return score_requests(n, max_history, "e", (TOP_K, WHEN[explained]) if explained else None)
 
 
-def _offsets(rate_rps: float, duration_s: float, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    offsets = np.cumsum(rng.exponential(1.0 / rate_rps, int(rate_rps * duration_s * 1.3) + 8))
-    return offsets[offsets < duration_s]
-
-
-@dataclass
-class _Stream:
-    """One kind of request in a run: what was sent and how it went."""
-
-    payloads: list[bytes]
-    offsets: np.ndarray
-    latencies_s: list[float] = field(default_factory=list)
-    server_us: list[int] = field(default_factory=list)
-    batch_rows: list[int] = field(default_factory=list)
-    reasons: list[int] = field(default_factory=list)
-    errors: dict[str, int] = field(default_factory=dict)
-
-
-async def _load(target: str, streams: list[_Stream], on_start) -> None:
-    async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary(
-            "/riskscoring.v1.RiskScoring/Score", response_deserializer=pb.ScoreResponse.FromString
-        )
-        for stream in streams:
-            for payload in stream.payloads[:WARMUP_REQUESTS]:
-                await call(payload, timeout=5)
-        await asyncio.sleep(0.5)
-        on_start()
-        start = time.perf_counter() + 0.1
-
-        async def one(stream: _Stream, i: int, at: float) -> None:
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            try:
-                reply = await call(stream.payloads[i % len(stream.payloads)], timeout=1.0)
-            except grpc.aio.AioRpcError as exc:
-                stream.errors[exc.code().name] = stream.errors.get(exc.code().name, 0) + 1
-                return
-            stream.latencies_s.append(time.perf_counter() - (start + at))
-            stream.server_us.append(reply.timings.total_us)
-            stream.batch_rows.append(reply.timings.batch_size)
-            stream.reasons.append(len(reply.reasons))
-
-        await asyncio.gather(
-            *(one(s, i, float(at)) for s in streams for i, at in enumerate(s.offsets))
-        )
-
-
-def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, list[bytes]]):
-    config = CONFIGS[name]
-    root = _models(tmp / name, config.per_feature)
+def _spec(name: str, models_dir: Path, env: dict[str, str]) -> ServerSpec:
+    """`riskserve serve` of the models under `models_dir` on a free port, no metrics or traces."""
     port = free_port()
-    spec = ServerSpec(
+    return ServerSpec(
         name=name,
         argv=(str(REPO / ".venv" / "bin" / "riskserve"), "serve", "--port", str(port)),
         grpc_port=port,
         model_name="fraud-demo",
         env={
-            "RISKSERVE_MODELS_DIR": str(root),
+            "RISKSERVE_MODELS_DIR": str(models_dir),
             "RISKSERVE_METRICS_PORT": "none",
             "RISKSERVE_TRACE_FILE": "none",
-            **dict(config.env),
+            **env,
         },
         cwd=REPO,
     )
-    streams: dict[str, _Stream] = {}
+
+
+def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, list[bytes]]):
+    config = CONFIGS[name]
+    root = _models(tmp / name, config.per_feature)
+    spec = _spec(name, root, dict(config.env))
+    streams: dict[str, ScoreStream] = {}
     if config.plain:
-        streams["plain"] = _Stream(payloads[""], _offsets(args.rate, args.duration_s, 11))
+        streams["plain"] = ScoreStream.poisson(payloads[""], args.rate, args.duration_s, 11)
     if config.explained:
         rate = args.mix_rate if config.plain else args.rate
-        offsets = _offsets(rate, args.duration_s, 12)
-        streams["explained"] = _Stream(payloads[config.explained], offsets)
-    log = REPO / "bench" / "results" / f"explain_{port}.log"
+        explained = payloads[config.explained]
+        streams["explained"] = ScoreStream.poisson(explained, rate, args.duration_s, 12)
+    log = REPO / "bench" / "results" / f"explain_{spec.grpc_port}.log"
     with ServerProcess(spec, log) as server:
         before: list[float] = []
         asyncio.run(
-            _load(
-                server.target, list(streams.values()), lambda: before.append(server.cpu_seconds())
+            open_loop(
+                server.target,
+                list(streams.values()),
+                lambda: before.append(server.cpu_seconds()),
+                warmup=WARMUP_REQUESTS,
+                settle_s=0.5,
+                timeout_s=1.0,
             )
         )
         cpu_s = server.cpu_seconds() - before[0]
     sent = sum(len(s.offsets) for s in streams.values())
     rows = []
     for kind, stream in streams.items():
-        ms = np.array(stream.latencies_s) * 1e3
+        ms = stream.latencies_ms()
         p50, p99 = np.percentile(ms, [50, 99]) if ms.size else (float("nan"),) * 2
         rows.append(
             dict(
@@ -225,43 +170,23 @@ def _named(payload: bytes, model: str) -> bytes:
     return request.SerializeToString()
 
 
-def _callgrind(option: str, value: str, pid: int) -> None:
-    """callgrind_control: switch counting on or off (-i), or dump the counts so far (-d)."""
-    subprocess.run(
-        ["callgrind_control", option, value, str(pid)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
-
-
 def count_instructions(requests: int, max_history: int, tmp: Path) -> int:
     """Callgrind's instruction count per request of each kind, in one server process."""
-    from bench.instructions import callgrind_total
-
     root = _models(tmp / "counted", per_feature=False)
     each = _models(tmp / "each", per_feature=True) / "fraud-demo"
     manifest = json.loads((each / "1" / "manifest.json").read_text())
     (each / "1" / "manifest.json").write_text(json.dumps(manifest | {"name": "fraud-demo-each"}))
     shutil.move(each, root / "fraud-demo-each")
-    port = free_port()
-    out_file = REPO / "bench" / "results" / "callgrind" / f"explain-{port}.out"
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    python = REPO / ".venv" / "bin" / "python"
-    spec = ServerSpec(
-        name="riskserve-callgrind",
-        argv=("valgrind", "--tool=callgrind", "--instr-atstart=no",
-              f"--callgrind-out-file={out_file}", str(python), "-m", "service", "serve",
-              "--port", str(port)),
-        grpc_port=port,
-        model_name="fraud-demo",
-        env={"RISKSERVE_MODELS_DIR": str(root), "RISKSERVE_METRICS_PORT": "none",
-             "RISKSERVE_TRACE_FILE": "none", "RISKSERVE_BUDGET_MS": "60000",
-             "RISKSERVE_WARMUP_ITERATIONS": "1"},
-        cwd=REPO,
-        startup_timeout_s=900.0,
-    )  # fmt: skip
+    spec = _spec(
+        "riskserve-callgrind",
+        root,
+        {"RISKSERVE_BUDGET_MS": "60000", "RISKSERVE_WARMUP_ITERATIONS": "1"},
+    )
+    out_file = REPO / "bench" / "results" / "callgrind" / f"explain-{spec.grpc_port}.out"
+    spec = callgrind.under_callgrind(spec, out_file)
     totals: dict[str, int] = {}
     explained: dict[str, int] = {}
-    log = REPO / "bench" / "results" / f"explain_callgrind_{port}.log"
+    log = REPO / "bench" / "results" / f"explain_callgrind_{spec.grpc_port}.log"
     with ServerProcess(spec, log) as server, grpc.insecure_channel(server.target) as channel:
         score = channel.unary_unary(
             "/riskscoring.v1.RiskScoring/Score", response_deserializer=pb.ScoreResponse.FromString
@@ -270,13 +195,13 @@ def count_instructions(requests: int, max_history: int, tmp: Path) -> int:
             payloads = [_named(p, model) for p in _payloads(requests, max_history, mode)]
             for payload in payloads[:5]:  # the first calls of a kind warm its paths
                 score(payload, timeout=120)
-            _callgrind("-i", "on", server.pid)
+            callgrind.control(server.pid, "-i", "on")
             explained[kind] = sum(bool(score(p, timeout=120).reasons) for p in payloads)
-            _callgrind("-i", "off", server.pid)
-            _callgrind("-d", kind, server.pid)
+            callgrind.control(server.pid, "-i", "off")
+            callgrind.control(server.pid, "-d", kind)
             dumps = sorted(out_file.parent.glob(f"{out_file.name}.*"), key=os.path.getmtime)
-            totals[kind] = callgrind_total(dumps[-1])
-        server.stop(grace_s=300.0)
+            totals[kind] = callgrind.total(dumps[-1])
+        server.stop(grace_s=callgrind.STOP_GRACE_S)
     print(f"\ncallgrind, one server process, {requests} sequential Score requests of each kind, "
           f"history <= {max_history} rows")  # fmt: skip
     print("| kind | with reasons | M instructions / request | against plain |")
@@ -301,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--instructions", type=int, metavar="N", help="count, N requests a kind")
     args = parser.parse_args(argv)
     if args.instructions:
+        missing = callgrind.missing_tools()
+        if missing:
+            print(missing, file=sys.stderr)
+            return 2
         with tempfile.TemporaryDirectory() as tmp:
             return count_instructions(args.instructions, args.max_history, Path(tmp))
     payloads = {e: _payloads(500, args.max_history, e) for e in ("", *WHEN)}
@@ -316,31 +245,21 @@ def main(argv: list[str] | None = None) -> int:
         f"open loop; explained = {TOP_K} reasons, EXPLAIN_ALWAYS (adverse: EXPLAIN_ADVERSE); "
         f"mixed = plain at {args.rate:g} + explained at {args.mix_rate:g} req/s"
     )
+    runs_column = args.repeats > 1
     print(
-        "| config | run | requests | rate req/s | sent | ok | errors | p50 ms | p99 ms "
-        "| p99 vs plain | server p99 ms | rows / batch | with reasons | server CPU ms / request |"
+        "| configuration |" + (" run |" if runs_column else "") + " requests | req/s | errors "
+        "| p50 ms | p99 ms | server p99 ms | rows / batch | server CPU ms / request |"
     )
-    print("|" + " --- |" * 14)
+    print("|---|" + ("---:|" if runs_column else "") + "---|" + "---:|" * 7)
     for r in runs:
-        base = next(
-            (b["p99"] for b in runs
-             if b["config"] == CONFIGS[r["config"]].baseline and b["repeat"] == r["repeat"]),
-            None,
-        )  # fmt: skip
-        delta = (
-            f"{r['p99'] - base:+.2f}"
-            if r["kind"] == "plain"
-            and CONFIGS[r["config"]].baseline != r["config"]
-            and base is not None
-            else "-"
-        )
         mixed = CONFIGS[r["config"]].plain and CONFIGS[r["config"]].explained
         rate = args.mix_rate if mixed and r["kind"] == "explained" else args.rate
         cpu = f"{r['cpu_ms_per_request']:.2f}" + (" (both)" if mixed else "")
+        run = f" {r['repeat']} |" if runs_column else ""
         print(
-            f"| {r['config']} | {r['repeat']} | {r['kind']} | {rate:g} | {r['sent']} | {r['ok']} "
-            f"| {r['errors'] or '-'} | {r['p50']:.2f} | {r['p99']:.2f} | {delta} "
-            f"| {r['server_p99']:.2f} | {r['batch_rows']:.1f} | {r['with_reasons']:.0%} | {cpu} |"
+            f"| {r['config']} |{run} {r['kind']} | {rate:g} | {sum(r['errors'].values())} "
+            f"| {r['p50']:.2f} | {r['p99']:.2f} | {r['server_p99']:.2f} | {r['batch_rows']:.1f} "
+            f"| {cpu} |"
         )
     return 0
 

@@ -20,35 +20,21 @@ came out 5.6 % high), so run it on an otherwise idle machine.
 from __future__ import annotations
 
 import argparse
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
-from pathlib import Path
 
+from bench import callgrind
 from bench.compare import RESULTS_DIR, riskserve_knobs, server_spec
 from bench.model_io import resolve_model_path
 from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.servers import ServerProcess, metric_sum, scrape_metrics
-
-_TOTALS = re.compile(r"^(?:totals|summary):\s+(\d+)", re.MULTILINE)
 
 
 def requests_served(metrics_port: int) -> float:
     """Requests the server has answered, by its Prometheus counter (all statuses)."""
     # A server under valgrind answers a scrape slowly.
     return metric_sum(scrape_metrics(metrics_port, timeout_s=30.0), "riskserve_requests_total")
-
-
-def callgrind_total(out_file: Path) -> int:
-    """The instruction total callgrind wrote for the counted span."""
-    found = _TOTALS.findall(out_file.read_text(errors="replace"))
-    if not found:
-        raise RuntimeError(f"no totals in {out_file}")
-    return int(found[-1])
 
 
 def count_one(name: str, args: argparse.Namespace, run: int) -> tuple[int, float]:
@@ -60,18 +46,7 @@ def count_one(name: str, args: argparse.Namespace, run: int) -> tuple[int, float
         # Callgrind follows one process: a peer's or a forked worker's work would go uncounted.
         raise ValueError(f"{name}: only single-process riskserve servers can be counted")
     out_file = RESULTS_DIR / "callgrind" / f"{name}-{run}.out"
-    out_file.parent.mkdir(parents=True, exist_ok=True)
-    out_file.unlink(missing_ok=True)
-    valgrind = (
-        "valgrind",
-        "--tool=callgrind",
-        "--instr-atstart=no",
-        f"--callgrind-out-file={out_file}",
-    )
-    # The riskserve script is a Python entry point: run its module under valgrind directly.
-    python = Path(spec.argv[0]).with_name("python")
-    argv = (*valgrind, str(python), "-m", "service", *spec.argv[1:])
-    spec = replace(spec, argv=argv, startup_timeout_s=900.0)
+    spec = callgrind.under_callgrind(spec, out_file)
     metrics_port = int(spec.env["RISKSERVE_METRICS_PORT"])
     log_path = RESULTS_DIR / "logs" / f"instructions-{name}-{run}.log"
     with ServerProcess(spec, log_path) as server:
@@ -85,21 +60,12 @@ def count_one(name: str, args: argparse.Namespace, run: int) -> tuple[int, float
         )
         with PerfAnalyzer(plan, onnx_path, server_label=name) as analyzer:
             before = requests_served(metrics_port)
-            _callgrind_control("on", server.pid)
+            callgrind.control(server.pid, "-i", "on")
             analyzer.run_point("concurrency", args.concurrency)
-            _callgrind_control("off", server.pid)
+            callgrind.control(server.pid, "-i", "off")
             served = requests_served(metrics_port) - before
-        # Callgrind writes its file as the process exits; a slowed shutdown needs the time.
-        server.stop(grace_s=300.0)
-    return callgrind_total(out_file), served
-
-
-def _callgrind_control(state: str, pid: int) -> None:
-    done = subprocess.run(
-        ["callgrind_control", "-i", state, str(pid)], capture_output=True, text=True, timeout=60
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"callgrind_control -i {state} {pid}: {done.stdout}{done.stderr}")
+        server.stop(grace_s=callgrind.STOP_GRACE_S)
+    return callgrind.total(out_file), served
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -113,10 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--streaming", action="store_true", help="perf_analyzer sends on ModelStreamInfer"
     )
     args = parser.parse_args(argv)
-    for tool in ("valgrind", "callgrind_control"):
-        if shutil.which(tool) is None:
-            print(f"{tool} is not installed (Debian: apt-get install valgrind)", file=sys.stderr)
-            return 2
+    missing = callgrind.missing_tools()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.servers.split(",") if n.strip()]
     per_request: dict[str, list[float]] = {name: [] for name in names}
     for run in range(args.runs):
@@ -132,17 +98,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 flush=True,
             )
     base = names[-1]
+    print(f"\n| server | M instructions per request, run by run | median | against {base} |")
+    print("|---|---|---:|---:|")
     for name in names:
         values = per_request[name]
         if not values:
+            print(f"| {name} | no requests counted | | |")
             continue
         median = statistics.median(values)
-        spread = (max(values) / min(values) - 1) * 100
-        line = f"{name:20} median {median / 1e6:.3f} M a request (runs differ by {spread:.1f} %)"
+        against = ""
         if name != base and per_request[base]:
-            ratio = median / statistics.median(per_request[base])
-            line += f", {(ratio - 1) * 100:+.1f} % against {base}"
-        print(line)
+            against = f"{(median / statistics.median(per_request[base]) - 1) * 100:+.1f} %"
+        runs = ", ".join(f"{v / 1e6:.3f}" for v in values)
+        print(f"| {name} | {runs} | {median / 1e6:.3f} | {against} |")
     return 0
 
 

@@ -36,8 +36,8 @@ from bench.oip import MODEL_INFER_METHOD, build_infer_request, decode_output
 from bench.results import (
     PointResult,
     add_sweep_arguments,
-    report_sweep,
     summarize,
+    sweep_and_report,
 )
 
 __all__ = ["LoadGenerator", "LoadPlan", "main"]
@@ -64,6 +64,19 @@ class LoadPlan:
     warmup_requests: int = 200
     cooldown_s: float = 1.0
     seed: int = 1
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, target: str, model_name: str) -> LoadPlan:
+        """The plan that the options of `bench.loadgen` and `bench.compare` describe."""
+        return cls(
+            target=target,
+            model_name=model_name,
+            history_len=args.history_len,
+            duration_s=args.duration_s,
+            max_requests=args.max_requests,
+            timeout_s=args.timeout_s,
+            client_procs=args.client_procs,
+        )
 
 
 @dataclass(frozen=True)
@@ -387,22 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--timeout-s", type=float, default=1.0)
     args = parser.parse_args(argv)
-    plan = LoadPlan(
-        target=args.target,
-        model_name=args.model_name,
-        history_len=args.history_len,
-        duration_s=args.duration_s,
-        max_requests=args.max_requests,
-        timeout_s=args.timeout_s,
-        client_procs=args.client_procs,
-    )
+    plan = LoadPlan.from_args(args, args.target, args.model_name)
     with LoadGenerator(plan, args.model) as generator:
         generator.warm_up()
-        points = generator.sweep(
-            args.rates, [int(c) for c in args.concurrency], args.budget_ms, args.max_error_rate
-        )
-    report_sweep(points, args)
-    return 0
+        return sweep_and_report(generator, args)
 
 
 if __name__ == "__main__":

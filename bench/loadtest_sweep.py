@@ -173,13 +173,14 @@ def _line(p: Point) -> str:
 def report(points: list[Point], budget_ms: float) -> None:
     print()
     print(
-        "| server | offered req/s | failures | locust p50 ms | locust p99 ms | server CPU/request |"
+        "| server | offered req/s | failures | locust p50 ms | locust p99 ms "
+        "| server CPU / request |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---:|---:|---:|---:|---:|")
     for p in points:
         print(
-            f"| {p.config} | {p.offered_rps:g} | {p.failures} of {p.requests} | {p.p50_ms:g} | "
-            f"{p.p99_ms:g} | {p.server_cpu_us_per_request:.0f} µs |"
+            f"| {p.config} | {p.offered_rps:g} | {p.failures:,} of {p.requests:,} | {p.p50_ms:g} | "
+            f"{p.p99_ms:g} | {p.server_cpu_us_per_request:,.0f} µs |"
         )
     print()
     for config in dict.fromkeys(p.config for p in points):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.model_io import REPO_ROOT, make_request_arrays, read_model_io, resolve_model_path
-from bench.results import PointResult, add_sweep_arguments, report_sweep
+from bench.results import PointResult, add_sweep_arguments, sweep_and_report
 
 __all__ = ["PerfAnalyzer", "PerfPlan", "main"]
 
@@ -255,11 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         windows=args.windows,
     )
     with PerfAnalyzer(plan, args.model) as analyzer:
-        points = analyzer.sweep(
-            args.rates, [int(c) for c in args.concurrency], args.budget_ms, args.max_error_rate
-        )
-    report_sweep(points, args)
-    return 0
+        return sweep_and_report(analyzer, args)
 
 
 if __name__ == "__main__":

@@ -168,6 +168,14 @@ def add_sweep_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="write the points here")
 
 
+def sweep_and_report(client, args: argparse.Namespace) -> int:
+    """Runs `client`'s sweep over `--rates` and `--concurrency` and reports it: a client's CLI."""
+    concurrency = [int(c) for c in args.concurrency]
+    points = client.sweep(args.rates, concurrency, args.budget_ms, args.max_error_rate)
+    report_sweep(points, args)
+    return 0
+
+
 def report_sweep(points: Sequence[PointResult], args: argparse.Namespace) -> None:
     """Print the highest rate within budget and write the points where `--json` says."""
     best = best_rate_under_budget(points, args.budget_ms, args.max_error_rate)

@@ -1,33 +1,26 @@
-"""Server CPU per sequential request: a bare grpc.aio servicer against riskserve.
+"""The `grpc-floor` server: a grpc.aio servicer that answers OIP and does no work.
 
-The bare servicer answers OIP ModelInfer (and each request of ModelStreamInfer) with zero
-scores of the shape riskserve returns, computing nothing, so its figure is the floor that gRPC's
-Python server costs on this machine; riskserve's excess over it is its own work. It also
-describes the demo model as riskserve does (ModelMetadata, ModelConfig), so perf_analyzer can
-drive it too (`bench.latency_split --floor`).
+It answers ModelInfer (and each request of ModelStreamInfer) with zero scores of the shape
+riskserve returns, computing nothing, so what it costs is the floor that gRPC's Python server
+costs on the machine; riskserve's excess over it is its own work. It describes the demo model
+as riskserve does (ModelMetadata, ModelConfig), so perf_analyzer can drive it too.
+`bench.compare` and `bench.streaming` start it as `grpc-floor`; alone:
 
-    .venv/bin/python -m bench.rpc_floor --requests 300
+    .venv/bin/python -m bench.rpc_floor --grpc-port 8011
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
-from pathlib import Path
 
 import grpc
-import psutil
 
-from bench.model_io import ModelIO, make_request_arrays, read_model_io
-from bench.oip import build_infer_request
-from bench.servers import ServerProcess, ServerSpec, free_port
+from bench.model_io import DEMO_MODEL_PATH, REPO_ROOT, ModelIO, read_model_io
+from bench.servers import ServerSpec, serve_alone
 from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
-
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "models" / "fraud-demo" / "1" / "model.onnx"
 
 
 class _Echo(oip_grpc.GRPCInferenceServiceServicer):
@@ -106,69 +99,26 @@ def echo_spec(port: int) -> ServerSpec:
         ),
         port,
         "fraud-demo",
-        cwd=REPO,
+        cwd=REPO_ROOT,
     )
 
 
 async def _serve_echo(port: int) -> None:
     server = grpc.aio.server()
-    oip_grpc.add_GRPCInferenceServiceServicer_to_server(_Echo(read_model_io(MODEL)), server)
+    servicer = _Echo(read_model_io(DEMO_MODEL_PATH))
+    oip_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
 
 
-def _measure(pid: int, target: str, requests: int) -> tuple[float, float]:
-    io = read_model_io(MODEL)
-    request = build_infer_request("fraud-demo", make_request_arrays(io, 32, seed=1), io.output)
-    process = psutil.Process(pid)
-    with grpc.insecure_channel(target) as channel:
-        stub = oip_grpc.GRPCInferenceServiceStub(channel)
-        for _ in range(100):
-            stub.ModelInfer(request, timeout=5)
-        cpu_before = sum(process.cpu_times()[:2])
-        started = time.perf_counter()
-        for _ in range(requests):
-            stub.ModelInfer(request, timeout=5)
-        wall_s = time.perf_counter() - started
-        cpu_s = sum(process.cpu_times()[:2]) - cpu_before
-    return cpu_s / requests * 1e3, wall_s / requests * 1e3
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--grpc-port", type=int, default=8011, help="listens on 127.0.0.1")
+    parser.add_argument("--serve-s", type=float, default=600.0, help="stop after this long")
     args = parser.parse_args(argv)
-    rows = []
-    specs = [echo_spec(free_port())]
-    for tracing in ("true", "false"):
-        port = free_port()
-        specs.append(
-            ServerSpec(
-                f"riskserve tracing={tracing}",
-                (str(REPO / ".venv" / "bin" / "riskserve"), "serve", "--port", str(port)),
-                port,
-                "fraud-demo",
-                env={
-                    "RISKSERVE_TRACING": tracing,
-                    "RISKSERVE_METRICS_PORT": "none",
-                    "RISKSERVE_TRACE_FILE": "none",
-                    "RISKSERVE_ONNX_VARIANTS": "false",
-                },
-                cwd=REPO,
-            )
-        )
-    results = REPO / "bench" / "results"
-    for spec in specs:
-        log = results / f"rpc_floor_{spec.grpc_port}.log"
-        with ServerProcess(spec, log) as server:
-            assert server._process is not None
-            cpu_ms, wall_ms = _measure(server._process.pid, server.target, args.requests)
-        rows.append((spec.name, cpu_ms, wall_ms))
-    print("server | server CPU ms/req | wall ms/req")
-    for name, cpu_ms, wall_ms in rows:
-        print(f"{name} | {cpu_ms:.2f} | {wall_ms:.2f}")
-    return 0
+    log_path = REPO_ROOT / "bench" / "results" / "logs" / "grpc-floor.log"
+    return serve_alone(echo_spec(args.grpc_port), log_path, args.serve_s)
 
 
 if __name__ == "__main__":

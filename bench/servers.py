@@ -7,6 +7,8 @@ failure to start can be read afterwards.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import math
 import os
 import signal
@@ -24,7 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.oip import wait_model_ready
 from service.telemetry.stats import scrape
 
-__all__ = ["ServerProcess", "ServerSpec", "free_port", "metric_sum", "scrape_metrics"]
+__all__ = [
+    "ServerProcess",
+    "ServerSpec",
+    "add_standalone_arguments",
+    "free_port",
+    "metric_sum",
+    "scrape_metrics",
+    "serve_alone",
+]
 
 
 def free_port() -> int:
@@ -166,3 +176,26 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def add_standalone_arguments(
+    parser: argparse.ArgumentParser, grpc_port: int, http_port: int, metrics_port: int
+) -> None:
+    """The options every peer server started alone takes: model, ports, batch size, time."""
+    parser.add_argument("--model", type=Path, default=None, help="ONNX file (default: demo model)")
+    parser.add_argument("--grpc-port", type=int, default=grpc_port)
+    parser.add_argument("--http-port", type=int, default=http_port)
+    parser.add_argument("--metrics-port", type=int, default=metrics_port)
+    parser.add_argument("--max-batch-size", type=int, default=64)
+    parser.add_argument("--intra-op-threads", type=int, default=1)
+    parser.add_argument("--serve-s", type=float, default=600.0, help="stop after this long")
+
+
+def serve_alone(spec: ServerSpec, log_path: Path, serve_s: float) -> int:
+    """Runs one server until Ctrl-C or `serve_s` seconds, for loading it by hand."""
+    with ServerProcess(spec, log_path) as server:
+        print(f"{spec.name} ready on {server.target} in {server.startup_s:.1f} s; Ctrl-C stops it")
+        with contextlib.suppress(KeyboardInterrupt):
+            time.sleep(serve_s)
+    print(f"{spec.name} stopped")
+    return 0

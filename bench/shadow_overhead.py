@@ -15,9 +15,6 @@ scheduled send time. The load generator runs on the same machine. Each configura
 served by a fresh server, in turn, `--repeats` times.
 
     .venv/bin/python -m bench.shadow_overhead --rates 100,300 --duration-s 10 --repeats 2
-
-`--micro` instead times the server's side of a shadow copy in-process, with a real worker:
-`ShadowRunner.submit` of an accepted job and the full-queue drop path.
 """
 
 from __future__ import annotations
@@ -34,16 +31,14 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-import grpc
 import numpy as np
 import onnx
 import psutil
 from onnx import TensorProto, helper, numpy_helper
 
 from bench.results import floats
+from bench.score_load import ScoreStream, open_loop, score_requests
 from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
-from demo.generator import FEATURE_NAMES, generate
-from riskscoring.v1 import risk_scoring_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "models" / "fraud-demo" / "1"
@@ -150,50 +145,6 @@ def _models(root: Path) -> Path:
     return root
 
 
-def _requests(n: int) -> list[bytes]:
-    data = generate(n, seed=5_000_011)
-    out = []
-    for i in range(n):
-        request = pb.ScoreRequest(
-            request_id=f"s{i}",
-            entity_id=data.entity_ids[i],
-            features={k: float(v) for k, v in zip(FEATURE_NAMES, data.features[i], strict=True)},
-            history=[pb.HistoryRow(values=row.tolist()) for row in data.histories[i][:32]],
-        )
-        out.append(request.SerializeToString())
-    return out
-
-
-async def _open_loop(
-    target: str, payloads: list[bytes], rate_rps: float, duration_s: float, on_start
-):
-    rng = np.random.default_rng(7)
-    offsets = np.cumsum(rng.exponential(1.0 / rate_rps, int(rate_rps * duration_s * 1.2)))
-    offsets = offsets[offsets < duration_s]
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    async with grpc.aio.insecure_channel(target) as channel:
-        call = channel.unary_unary("/riskscoring.v1.RiskScoring/Score")
-        for payload in payloads[:WARMUP_REQUESTS]:
-            await call(payload, timeout=5)
-        await asyncio.sleep(3.0)  # the shadow worker has loaded its engine at idle priority
-        on_start()
-        start = time.perf_counter() + 0.1
-
-        async def one(i: int, at: float) -> None:
-            delay = start + at - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            try:
-                await call(payloads[i % len(payloads)], timeout=5)
-                latencies.append(time.perf_counter() - (start + at))
-            except grpc.aio.AioRpcError as exc:
-                errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
-
-        await asyncio.gather(*(one(i, float(at)) for i, at in enumerate(offsets)))
-    return np.array(latencies) * 1e3, errors, len(offsets)
-
-
 def _challenger_rows(prefix: Path) -> tuple[int, float]:
     """Challenger rows the shadow worker logged, and their median engine latency in ms."""
     from service.shadow import read_records
@@ -287,8 +238,17 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
             before.extend((server.cpu_seconds(), _worker_cpu_s()))
 
         try:
-            ms, errors, sent = asyncio.run(
-                _open_loop(server.target, payloads, rate, args.duration_s, on_start)
+            stream = ScoreStream.poisson(payloads, rate, args.duration_s, seed=7)
+            asyncio.run(
+                open_loop(
+                    server.target,
+                    [stream],
+                    on_start,
+                    warmup=WARMUP_REQUESTS,
+                    # the shadow worker loads its engine at idle priority meanwhile
+                    settle_s=3.0,
+                    timeout_s=5.0,
+                )
             )
         finally:
             if stopped:
@@ -297,16 +257,18 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
         time.sleep(1.5)  # the drop metric is published once a second
         dropped = _drops(metrics_port)
     logged, challenger_ms = _challenger_rows(logs)
+    ms = stream.latencies_ms()
     p50, p99 = np.percentile(ms, [50, 99])
     return dict(
-        config=name, rate=rate, sent=sent, ok=len(ms), errors=errors, p50=p50, p99=p99,
+        config=name, rate=rate, sent=len(stream.offsets), ok=len(ms), errors=stream.errors,
+        p50=p50, p99=p99,
         cpu=cpu, worker_cpu=worker_cpu, logged=logged, dropped=dropped,
         challenger_ms=challenger_ms,
     )  # fmt: skip
 
 
 def sweep(args: argparse.Namespace) -> int:
-    payloads = _requests(500)
+    payloads = score_requests(500, max_history=32, prefix="s")
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         root = _models(Path(tmp) / "models")
@@ -317,90 +279,38 @@ def sweep(args: argparse.Namespace) -> int:
                     runs.append({**run, "repeat": repeat + 1})
                     print(json.dumps({k: v for k, v in runs[-1].items()}, default=str))
     print(f"\nScore, history <= 32 rows, {args.duration_s:g} s per run; copies = requests + "
-          f"{WARMUP_REQUESTS} warm-up")  # fmt: skip
+          f"{WARMUP_REQUESTS} warm-up; figures run by run")  # fmt: skip
     print(
-        "rate | config | run | sent | ok | errors | p50 ms | p99 ms | p99 vs none | server CPU s "
-        "| worker CPU s (both during the load) | copies logged | copies dropped "
-        "| challenger engine ms (median)"
+        "| rate req/s | configuration | champion p99 ms | against no experiment ms "
+        "| errors | worker CPU s | copies scored / dropped |"
     )
-    for r in runs:
-        # `--only` may leave out the baseline: then there is nothing to compare with.
-        baseline = PINNED_BASELINE if CONFIGS[r["config"]].server_on_cpu0 else BASELINE
-        base = next(
-            (b["p99"] for b in runs
-             if b["config"] == baseline and b["rate"] == r["rate"]
-             and b["repeat"] == r["repeat"]),
-            None,
-        )  # fmt: skip
-        shadow = r["config"] != baseline
-        delta = f"{r['p99'] - base:+.2f}" if shadow and base is not None else "-"
-        copies = (
-            f"{r['logged']} | {r['dropped']} | {r['challenger_ms']:.2f}" if shadow else "- | - | -"
-        )
-        print(
-            f"{r['rate']:g} | {r['config']} | {r['repeat']} | {r['sent']} | {r['ok']} | "
-            f"{r['errors'] or '-'} | {r['p50']:.2f} | {r['p99']:.2f} | {delta} | "
-            f"{r['cpu']:.1f} | {r['worker_cpu']:.1f} | {copies}"
-        )
+    print("|---:|---|---|---|---:|---|---|")
+    for rate in args.rates:
+        for name in args.only or CONFIGS:
+            mine = [r for r in runs if r["rate"] == rate and r["config"] == name]
+            # `--only` may leave out the baseline: then there is nothing to compare with.
+            baseline = PINNED_BASELINE if CONFIGS[name].server_on_cpu0 else BASELINE
+            against = []
+            for r in mine:
+                base = next(
+                    (b["p99"] for b in runs
+                     if b["config"] == baseline and b["rate"] == rate
+                     and b["repeat"] == r["repeat"]),
+                    None,
+                )  # fmt: skip
+                if name != baseline and base is not None:
+                    against.append(f"{r['p99'] - base:+.2f}")
+            p99 = " / ".join(f"{r['p99']:.2f}" for r in mine)
+            worker = " / ".join(f"{r['worker_cpu']:.1f}" for r in mine)
+            errors = sum(sum(r["errors"].values()) for r in mine)
+            copies = ""
+            if name != baseline:
+                copies = ", ".join(f"{r['logged']:,.0f} / {r['dropped']:,.0f}" for r in mine)
+            print(
+                f"| {rate:g} | {name} | {p99} | {' / '.join(against)} | {errors} | {worker} "
+                f"| {copies} |"
+            )
     return 0
-
-
-def _demo_jobs(n: int) -> list:
-    """Makers of one-row jobs shaped as a Score request's validated inputs (history 32 rows)."""
-    from service.shadow import ShadowJob
-
-    data = generate(n, seed=5_000_011)
-
-    def maker(i: int):
-        history = np.asarray(data.histories[i][:32], dtype=np.float32)[None]
-        inputs = {
-            "features": np.asarray(data.features[i : i + 1], dtype=np.float32),
-            "history": history,
-            "history_mask": np.ones(history.shape[:2], dtype=np.float32),
-        }
-        return lambda: ShadowJob(
-            model="fraud-demo", experiment="fraud-demo", versions=("2",), request_ids=(f"m{i}",),
-            entity_ids=("e",), inputs=inputs, champion_scores=np.zeros(1, np.float32),
-            champion_version="1",
-        )  # fmt: skip
-
-    return [maker(i) for i in range(n)]
-
-
-async def _micro(jobs: int) -> None:
-    from service.shadow import ShadowRunner
-
-    makers = _demo_jobs(jobs)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp) / "models"
-        _copy_demo(root, "1")
-        _copy_demo(root, "2")
-        runner = ShadowRunner(
-            lambda model, version: root / model / version,
-            str(Path(tmp) / "logs"),
-            replica_id="micro",
-            max_queued_jobs=jobs + 1,
-        )
-        runner.start()
-        while runner.worker_pid is None:
-            await asyncio.sleep(0.05)
-        accepted = []
-        for make in makers:  # one job per loop turn, as requests arrive
-            started = time.perf_counter_ns()
-            runner.submit(make())
-            accepted.append(time.perf_counter_ns() - started)
-            await asyncio.sleep(0)
-        await runner.close(timeout_s=120)
-        assert runner.full and runner.completed == jobs
-        dropped = []
-        for _ in range(100_000):  # the full-queue path of Experiments.record
-            started = time.perf_counter_ns()
-            if runner.full:
-                runner.drop("fraud-demo")
-            dropped.append(time.perf_counter_ns() - started)
-    for name, ns in (("accepted (ShadowJob + submit)", accepted), ("dropped (full)", dropped)):
-        p50, p99 = np.percentile(np.array(ns) / 1e3, [50, 99])
-        print(f"{name}: median {p50:.2f} µs, p99 {p99:.2f} µs over {len(ns)} jobs")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,12 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration-s", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--only", action="append", choices=list(CONFIGS), help="configs to run")
-    parser.add_argument("--micro", action="store_true", help="time submit and drop in-process")
-    parser.add_argument("--jobs", type=int, default=2000, help="jobs for --micro")
     args = parser.parse_args(argv)
-    if args.micro:
-        asyncio.run(_micro(args.jobs))
-        return 0
     return sweep(args)
 
 

@@ -132,8 +132,8 @@ def dataset(records: int) -> Path:
 
 def run_one(records: int, verify: bool) -> dict[str, object]:
     """In this process: the report at one size; wall, CPU and peak RSS (and the checks)."""
-    from service.shadow.report import build_report
-    from service.shadow.report.html import render_html
+    from riskreport import build_report
+    from riskreport.html import render_html
 
     folder = dataset(records)
     cpu, wall = time.process_time(), time.monotonic()

@@ -252,23 +252,19 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
         f"perf_analyzer, batch 1, history {args.history_len}: at c={args.at}, and the best rate"
         f" with p99 <= {args.p99_ms:g} ms over c in {args.concurrency}"
     )
+    c, limit = args.at, f"{args.p99_ms:g}"
     print(
-        f"{'server / mode':<22} {'req/s':>8} {'p99 ms':>7} {'CPU us/req':>11}"
-        f" | {'best req/s':>10} {'at c':>5} {'p99 ms':>7}"
+        f"| server / mode | req/s at c={c} | p99 ms at c={c} | server CPU µs / request at c={c} "
+        f"| best req/s with p99 ≤ {limit} ms (at c) |"
     )
+    print("|---|---:|---:|---:|---:|")
     for key, row in rows.items():
         at, best = row["at"], row["best"]
-        left = (
-            f"{at.rps:>8.0f} {at.p99_ms:>7.2f} {at.cpu_us_per_request:>11.0f}"
-            if at
-            else f"{'-':>8} {'-':>7} {'-':>11}"
-        )
-        right = (
-            f"{best.rps:>10.0f} {best.concurrency:>5} {best.p99_ms:>7.2f}"
-            if best
-            else f"{'none':>10} {'':>5} {'':>7}"
-        )
-        print(f"{key:<22} {left} | {right}")
+        left = "- | - | -"
+        if at:
+            left = f"{at.rps:,.0f} | {at.p99_ms:.2f} | {at.cpu_us_per_request:,.0f}"
+        right = f"{best.rps:,.0f} ({best.concurrency})" if best else "none"
+        print(f"| {key} | {left} | {right} |")
     client = [p for p in points if p.mode.startswith("riskclient")]
     if client:
         print()

@@ -267,9 +267,14 @@ def _stats(args: argparse.Namespace) -> int:
 
 
 def _shadow_report(args: argparse.Namespace) -> int:
-    from service.shadow import run_shadow_report
-
-    return run_shadow_report(args)
+    # The only import of riskreport in service/: offline analytics stay out of the server.
+    try:
+        from riskreport import shadow_report_main
+    except ModuleNotFoundError as exc:
+        raise CommandError(
+            f"needs the report extra ({exc.name} is not installed): pip install 'riskserve[report]'"
+        ) from None
+    return shadow_report_main(args.report_args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -308,11 +313,12 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--window-s", type=float, default=1.0, help="time between two scrapes")
     stats.set_defaults(run=_stats)
 
-    from service.shadow import configure_parser
-
-    report = sub.add_parser("shadow-report", help="compare champion and challenger logs")
-    configure_parser(report)
-    report.set_defaults(run=_shadow_report)
+    # The report (the `report` extra) parses its own options: `main` hands them on unread, so
+    # no other command loads it.
+    report = sub.add_parser(
+        _REPORT, help="compare champion and challenger logs (riskserve[report])", add_help=False
+    )
+    report.set_defaults(run=_shadow_report, report_args=[])
 
     for name, run, text in (
         ("score", _score, "score a JSON request (a ScoreRequest, or a list for ScoreBatch)"),
@@ -343,12 +349,18 @@ def _parser() -> argparse.ArgumentParser:
 
 
 _CLIENTS = ("score", "info")
+_REPORT = "shadow-report"
 # How grpc's add_insecure_port and add_secure_port report an address they cannot bind.
 _BIND_FAILED = "Failed to bind to address"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == _REPORT:
+        args.report_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

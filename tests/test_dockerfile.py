@@ -59,3 +59,8 @@ def test_runtime_images_are_non_root_with_health_check() -> None:
         assert "grpc_health" in stage and "HEALTHCHECK" in stage, name
         assert 'ENTRYPOINT ["riskserve", "serve"]' in stage, name
         assert "RISKSERVE_HOST=0.0.0.0" in stage and "RISKSERVE_ALLOW_INSECURE=true" in stage
+
+
+def test_images_install_the_server_without_the_report_extra() -> None:
+    installs = re.findall(r"pip(?:\s+--python\s+\S+)?\s+install[^\n]*", DOCKERFILE.read_text())
+    assert sorted(re.findall(r'"\.\[([\w,]+)\]"', " ".join(installs))) == ["cpu", "gpu"]

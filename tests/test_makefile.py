@@ -48,3 +48,9 @@ def test_loadtest_targets_the_exported_port_and_its_server_has_no_metrics_port()
     assert "--target 127.0.0.1:6053" in command
     assert "env RISKSERVE_METRICS_PORT=none .venv/bin/riskserve serve --port 6053" in command
     assert '--server ""' in dry_run("loadtest", "LOADTEST_SERVER=")
+
+
+def test_the_server_installs_without_the_report_extra_and_the_tests_with_it():
+    serve = dry_run("-B", "serve")  # -B: every install step, as on a fresh clone
+    assert "-e '.[cpu]'" in serve and "report" not in serve
+    assert "-e '.[cpu,test,report]'" in dry_run("-B", "test")

@@ -11,16 +11,14 @@ backend ``model.py`` runs ONNX Runtime on each whole batch. Starts ``tritonserve
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.model_io import REPO_ROOT, ModelIO, read_model_io, resolve_model_path
-from bench.servers import ServerProcess, ServerSpec, free_port
+from bench.servers import ServerSpec, add_standalone_arguments, free_port, serve_alone
 
 __all__ = ["TritonConfig", "triton_spec", "write_model_repository"]
 
@@ -168,15 +166,9 @@ def triton_spec(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="ONNX file (default: demo model)")
-    parser.add_argument("--grpc-port", type=int, default=8001)
-    parser.add_argument("--http-port", type=int, default=8000)
-    parser.add_argument("--metrics-port", type=int, default=8002)
-    parser.add_argument("--max-batch-size", type=int, default=64)
+    add_standalone_arguments(parser, grpc_port=8001, http_port=8000, metrics_port=8002)
     parser.add_argument("--max-queue-delay-us", type=int, default=200)
     parser.add_argument("--instances", type=int, default=1)
-    parser.add_argument("--intra-op-threads", type=int, default=1)
-    parser.add_argument("--serve-s", type=float, default=600.0, help="stop after this long")
     args = parser.parse_args(argv)
     work_dir = PEERS_DIR / "work" / "triton"
     config = TritonConfig(
@@ -193,12 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         args.http_port,
         args.metrics_port,
     )
-    with ServerProcess(spec, work_dir / "tritonserver.log") as server:
-        print(f"triton ready on {server.target} in {server.startup_s:.1f} s; Ctrl-C stops it")
-        with contextlib.suppress(KeyboardInterrupt):
-            time.sleep(args.serve_s)
-    print("triton stopped")
-    return 0
+    return serve_alone(spec, work_dir / "tritonserver.log", args.serve_s)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,8 @@ def decode_score_request(
     return rows
 
 
-def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> RowBatch:
+def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> tuple[RowBatch, ...]:
+    """One row per item, each unpadded: the batcher pads them with the rest of their batch."""
     n = len(request.requests)
     if n == 0:
         raise InvalidRequest("requests", "is empty")
@@ -221,11 +222,10 @@ def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> Row
             raise InvalidRequest(f"{prefix}model", "must be empty or equal the batch's model")
         vector = _feature_vector(item.features, manifest, prefix)
         history = _history_matrix(item.history, manifest, prefix, item)
-        rows_history = None if manifest.history is None else history[np.newaxis]
-        parts.append(RowBatch(vector[np.newaxis], rows_history, None))
-    rows = RowBatch.concat(parts, manifest.history)
-    check_ranges(rows.features, manifest, "requests[{row}].features[{feature!r}]")
-    return rows
+        parts.append(RowBatch.single(vector, history, manifest.history))
+    features = np.concatenate([part.features for part in parts])
+    check_ranges(features, manifest, "requests[{row}].features[{feature!r}]")
+    return tuple(parts)
 
 
 _OIP_DTYPES = {"FP32": np.float32}

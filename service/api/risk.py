@@ -118,14 +118,15 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         )
         deadline = self._budget.deadline(context.time_remaining())
         decode_started_ns = time.monotonic_ns()
-        decoded: dict[object, RowBatch] = {}
-        groups = []
+        decoded: dict[object, tuple[RowBatch, ...]] = {}
+        groups: list[tuple[RowBatch, ...]] = []
         for assignment in assignments:
             manifest = assignment.model.manifest
             layout = (manifest.features_input, manifest.features, manifest.history)
             if layout not in decoded:  # versions with the same inputs share one decoding
                 decoded[layout] = decode_score_batch(request, manifest)
-            groups.append(decoded[layout].take(assignment.rows))
+            rows = decoded[layout]
+            groups.append(tuple(rows[i] for i in assignment.rows))
         note_validated(decode_started_ns)
         if len(groups) == 1:
             outcomes = [await assignments[0].model.batcher.submit(groups[0], deadline)]
@@ -137,7 +138,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 )
             )
         replies: list[pb.ScoreResponse | None] = [None] * len(items)
-        for assignment, rows, scored in zip(assignments, groups, outcomes, strict=True):
+        for assignment, group, scored in zip(assignments, groups, outcomes, strict=True):
             model = assignment.model
             note_scored(self.telemetry, model.name, model.version, scored)
             for k, i in enumerate(assignment.rows):
@@ -149,7 +150,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
                 assignment.routes,
                 [items[i].request_id for i in assignment.rows],
                 [items[i].entity_id for i in assignment.rows],
-                rows,
+                RowBatch.concat(group, model.manifest.history),  # the shadow copy's rows
                 scored,
                 time.perf_counter() - started,
             )

@@ -19,10 +19,10 @@ latency of a lightly loaded server.
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
 stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
-engine threads, so the loop keeps admitting, queueing and shedding while they run. Each worker is a thread of its own that
-runs one merged batch at a time. Dispatch happens on the event loop, in the call that queued a
-request or in the callback that reports a finished batch: no task wakes up to look at the queue,
-and a batch crosses threads once each way.
+engine threads, so the loop keeps admitting, queueing and shedding while they run. Each worker
+is a thread of its own that runs one merged batch at a time. Dispatch happens on the event
+loop, in the call that queued a request or in the callback that reports a finished batch: no
+task wakes up to look at the queue, and a batch crosses threads once each way.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -121,7 +121,9 @@ class EngineTimeModel:
 class _Job:
     deadline: float
     seq: int
-    batch: RowBatch = field(compare=False)
+    parts: tuple[RowBatch, ...] = field(compare=False)
+    rows: int = field(compare=False)
+    history_length: int = field(compare=False)
     enqueued: float = field(compare=False)
     future: asyncio.Future[Scored] = field(compare=False)
     trace: RequestTrace | None = field(compare=False, default=None)
@@ -140,6 +142,11 @@ class _Running:
 
 
 RunBatch = Callable[[RowBatch], Scored]
+
+
+def _parts(jobs: list[_Job]) -> list[RowBatch]:
+    return [part for job in jobs for part in job.parts]
+
 
 # A batch's padded history cells may be at most this multiple of its rows' own cells: padding a
 # short history to a long one costs the engine the long one's work (the attention over the
@@ -230,11 +237,15 @@ class MicroBatcher:
             for job in running.jobs:
                 self._fail(job, Unavailable("server is shutting down"))
 
-    async def submit(self, batch: RowBatch, deadline: float) -> Scored:
-        """Queue `batch` to be scored by monotonic time `deadline`; wait for its scores."""
+    async def submit(self, batch: RowBatch | Sequence[RowBatch], deadline: float) -> Scored:
+        """Queue a request's rows to be scored by monotonic time `deadline`; wait for their
+        scores. Rows given as several parts are padded together only with their batch."""
+        parts = (batch,) if isinstance(batch, RowBatch) else tuple(batch)
+        rows = sum(p.rows for p in parts)
+        length = max(p.history_length for p in parts)
         if self._closing:
             raise Unavailable("server is shutting down")
-        if self._queued_rows + batch.rows > self.max_queue_rows and self._queued_rows > 0:
+        if self._queued_rows + rows > self.max_queue_rows and self._queued_rows > 0:
             self._shed("queue_full")
             raise Overloaded(
                 f"queue holds {self._queued_rows} rows, limit {self.max_queue_rows}; retry later"
@@ -243,22 +254,21 @@ class MicroBatcher:
         now = time.monotonic()
         future: asyncio.Future[Scored] = self._loop.create_future()
         trace = current_request_trace() if self._tracing is not None else None
-        job = _Job(deadline, next(self._seq), batch, now, future, trace)
-        if now + self._estimate_wait_s(batch) > deadline:
+        job = _Job(deadline, next(self._seq), parts, rows, length, now, future, trace)
+        if now + self._estimate_wait_s(rows, length) > deadline:
             self._shed("deadline")
             if self._degrade:
                 return self._degraded(job, now)
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
         heapq.heappush(self._heap, job)
-        self._queued_rows += batch.rows
+        self._queued_rows += rows
         self._kick()
         return await future
 
-    def _estimate_wait_s(self, batch: RowBatch) -> float:
-        """Time until `batch` would be done: a worker to free up, the queue ahead, its own run."""
+    def _estimate_wait_s(self, rows: int, length: int) -> float:
+        """Time until `rows` would be done: a worker to free up, the queue ahead, their own run."""
         model = self.time_model
-        length = batch.history_length
-        own = model.estimate_s(batch.rows, length)
+        own = model.estimate_s(rows, length)
         if len(self._running) < self._workers_n and not self._heap:
             return own
         now = time.monotonic()
@@ -283,7 +293,7 @@ class MicroBatcher:
 
     def _pop(self) -> _Job:
         job = heapq.heappop(self._heap)
-        self._queued_rows -= job.batch.rows
+        self._queued_rows -= job.rows
         return job
 
     def _take(self) -> list[_Job]:
@@ -306,7 +316,7 @@ class MicroBatcher:
             if job.future.done():  # the caller went away (cancelled)
                 self._pop()
                 continue
-            job_rows, job_length = job.batch.rows, job.batch.history_length
+            job_rows, job_length = job.rows, job.history_length
             if now + model.estimate_s(job_rows, job_length) > job.deadline:
                 self._pop()
                 self._shed("deadline")
@@ -332,12 +342,12 @@ class MicroBatcher:
             earliest = min(earliest, job.deadline)
         for job in deferred:
             heapq.heappush(self._heap, job)
-            self._queued_rows += job.batch.rows
+            self._queued_rows += job.rows
         return taken
 
     @staticmethod
     def _degraded(job: _Job, now: float) -> Scored:
-        scores = np.full(job.batch.rows, np.nan, dtype=np.float32)
+        scores = np.full(job.rows, np.nan, dtype=np.float32)
         return Scored(scores, "", "deadline", queue_s=now - job.enqueued, degraded=True)
 
     # -- dispatch (event loop) -------------------------------------------------------------
@@ -371,7 +381,7 @@ class MicroBatcher:
     def _hand_off(self) -> None:
         token, running = self._start_next()
         if running is not None:
-            self._inbox.put((token, [j.batch for j in running.jobs]))
+            self._inbox.put((token, _parts(running.jobs)))
 
     def _dispatch_next(self) -> None:
         """Start the next batch: on the event loop when it is short, else on an engine thread."""
@@ -384,12 +394,12 @@ class MicroBatcher:
                 continue
             estimate_s = self.time_model.estimate_s(running.rows, running.history_length)
             if estimate_s > self._inline_max_s:
-                self._inbox.put((token, [j.batch for j in running.jobs]))
+                self._inbox.put((token, _parts(running.jobs)))
                 self._dispatch()  # more workers may be free
                 return
             try:
                 outcome: Scored | BaseException = self._run_batch(
-                    RowBatch.concat([j.batch for j in running.jobs])
+                    RowBatch.concat(_parts(running.jobs))
                 )
             except Exception as exc:  # the batch fails, the loop goes on
                 outcome = exc
@@ -402,8 +412,8 @@ class MicroBatcher:
         token = next(self._seq)
         if not jobs:
             return token, None
-        rows = sum(j.batch.rows for j in jobs)
-        length = max(j.batch.history_length for j in jobs)
+        rows = sum(j.rows for j in jobs)
+        length = max(j.history_length for j in jobs)
         trace = None
         if self._tracing is not None:
             trace = self._tracing.start_batch(
@@ -476,7 +486,7 @@ class MicroBatcher:
         self._observe(jobs, outcome, running.rows, started)
         start = 0
         for job in jobs:
-            end = start + job.batch.rows
+            end = start + job.rows
             if not job.future.done():
                 job.future.set_result(
                     Scored(

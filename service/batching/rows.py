@@ -77,15 +77,6 @@ class RowBatch:
             start = end
         return cls(features, history, mask)
 
-    def take(self, positions: Sequence[int]) -> RowBatch:
-        """The rows at `positions`, as a batch of their own."""
-        if len(positions) == self.rows:
-            return self
-        index = np.asarray(positions, dtype=np.intp)
-        if self.history is None or self.mask is None:
-            return RowBatch(self.features[index], None, None)
-        return RowBatch(self.features[index], self.history[index], self.mask[index])
-
     def feed(self, manifest: Manifest) -> dict[str, np.ndarray]:
         """The engine inputs, named as the model's ONNX inputs."""
         inputs = {manifest.features_input: self.features}

@@ -42,12 +42,7 @@ def test_one_complete_part_is_passed_through_without_a_copy():
     assert RowBatch.concat([part]) is part
 
 
-def test_take_and_feed():
-    merged = RowBatch.concat([_row(5, 1.0), _row(1, 2.0), _row(4, 3.0)])
-    taken = merged.take([2, 0])
-    assert taken.features[:, 0].tolist() == [3.0, 1.0]
-    assert taken.mask.sum(axis=1).tolist() == [4.0, 5.0]
-    assert merged.take([0, 1, 2]) is merged
+def test_feed_names_the_models_inputs():
     manifest = load_manifest(REPO / "models" / "fraud-demo" / "1")
     demo = RowBatch(
         np.zeros((2, manifest.n_features), np.float32),

@@ -10,17 +10,15 @@ runs ``mlserver start`` from the MLServer virtual environment on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.model_io import REPO_ROOT, resolve_model_path
-from bench.servers import ServerProcess, ServerSpec, free_port
+from bench.servers import ServerSpec, add_standalone_arguments, free_port, serve_alone
 
 __all__ = ["MLServerConfig", "mlserver_spec"]
 
@@ -87,14 +85,8 @@ def mlserver_spec(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=None, help="ONNX file (default: demo model)")
-    parser.add_argument("--grpc-port", type=int, default=8081)
-    parser.add_argument("--http-port", type=int, default=8080)
-    parser.add_argument("--metrics-port", type=int, default=8082)
-    parser.add_argument("--max-batch-size", type=int, default=64)
+    add_standalone_arguments(parser, grpc_port=8081, http_port=8080, metrics_port=8082)
     parser.add_argument("--max-batch-time-s", type=float, default=0.0005)
-    parser.add_argument("--intra-op-threads", type=int, default=1)
-    parser.add_argument("--serve-s", type=float, default=600.0, help="stop after this long")
     args = parser.parse_args(argv)
     work_dir = REPO_ROOT / "bench" / ".peers" / "work" / "mlserver"
     config = MLServerConfig(
@@ -110,13 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         args.http_port,
         args.metrics_port,
     )
-    log_path = work_dir.parent / "mlserver.log"
-    with ServerProcess(spec, log_path) as server:
-        print(f"mlserver ready on {server.target} in {server.startup_s:.1f} s; Ctrl-C stops it")
-        with contextlib.suppress(KeyboardInterrupt):
-            time.sleep(args.serve_s)
-    print("mlserver stopped")
-    return 0
+    return serve_alone(spec, work_dir.parent / "mlserver.log", args.serve_s)
 
 
 if __name__ == "__main__":

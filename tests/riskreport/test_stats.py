@@ -14,7 +14,7 @@ import pytest
 from scipy import stats as sps
 from sklearn.metrics import roc_auc_score
 
-from service.shadow.report import stats
+from riskreport import stats
 
 D_CHAMPION, D_CHALLENGER = 1.0, 1.4
 TRUE_AUC = sps.norm.cdf(D_CHAMPION / math.sqrt(2))

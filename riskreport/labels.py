@@ -17,8 +17,8 @@ import pyarrow.csv as pacsv
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
+from riskreport.dataset import sql_text
 from service.shadow.errors import LabelsError
-from service.shadow.report.dataset import sql_text
 from service.shadow.storage import resolve_prefix
 
 __all__ = ["load_labels"]

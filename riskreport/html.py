@@ -9,8 +9,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from riskreport.build import DECISIONS, Report
 from service.explanations.reasons import TopReasonComparison
-from service.shadow.report.build import DECISIONS, Report
 
 __all__ = ["render_html"]
 

@@ -18,14 +18,8 @@ from scipy import stats
 from shadow_traffic import THRESHOLDS, Traffic, log_shadow_traffic, make_traffic, record
 from sklearn.metrics import confusion_matrix, precision_score, recall_score, roc_auc_score
 
-from service.shadow import (
-    AmbiguousExperiment,
-    ExperimentLog,
-    NoRecords,
-    build_report,
-    render_html,
-    shadow_report_main,
-)
+from riskreport import AmbiguousExperiment, build_report, render_html, shadow_report_main
+from service.shadow import ExperimentLog, NoRecords
 
 N = 1500
 
@@ -99,7 +93,7 @@ def test_figures_match_scipy_and_sklearn(experiment: tuple[Path, Path, Traffic])
 
 
 def test_psi_binning_is_champion_deciles() -> None:
-    from service.shadow.report.stats import psi
+    from riskreport.stats import psi
 
     rng = np.random.default_rng(3)
     expected, actual = rng.random(10_000), rng.random(10_000) ** 2
@@ -311,7 +305,7 @@ def test_the_documented_cluster_query_gives_auc_from_merged_bins(tmp_path: Path)
     outcomes.mkdir()
     pq.write_table(pa.table({"request_id": t.request_ids, "label": t.labels}),
                    outcomes / "part-0.parquet")  # fmt: skip
-    doc = (Path(__file__).parents[3] / "docs" / "shadow.md").read_text()
+    doc = (Path(__file__).parents[2] / "docs" / "shadow.md").read_text()
     (sql,) = re.findall(r"```sql\n(.*?)```", doc, flags=re.S)
     sql = sql.replace("s3://bucket/shadow", str(tmp_path / "logs"))
     sql = sql.replace("s3://bucket/outcomes", str(outcomes))

@@ -9,16 +9,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from engines.manifest import Thresholds, load_manifest
-from service.shadow.errors import ShadowError
-from service.shadow.report.build import (
+from riskreport.build import (
     DEFAULT_MEMORY_LIMIT,
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
     build_report,
     elapsed_printer,
 )
-from service.shadow.report.html import render_html
-from service.shadow.report.summary import render_summary
+from riskreport.html import render_html
+from riskreport.summary import render_summary
+from service.shadow.errors import ShadowError
 
 __all__ = ["configure_parser", "run_shadow_report", "shadow_report_main"]
 
@@ -92,8 +92,11 @@ def run_shadow_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def shadow_report_main(argv: Sequence[str] | None = None) -> int:
-    parser = configure_parser(argparse.ArgumentParser(prog="riskserve shadow-report"))
+def shadow_report_main(
+    argv: Sequence[str] | None = None, *, prog: str = "riskserve shadow-report"
+) -> int:
+    """Parse `argv` (default: the process's arguments) and run; returns the exit status."""
+    parser = configure_parser(argparse.ArgumentParser(prog=prog))
     return run_shadow_report(parser.parse_args(argv))
 
 

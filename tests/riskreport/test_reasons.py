@@ -7,19 +7,17 @@ from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
-import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from liveserver import experiment_server
 from modelkit import write_sequence_model
 from waiting import wait_until
 
+from riskreport import build_report, render_html, render_summary
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
-from service.shadow import RECORD_SCHEMA, ExperimentRecord, NoRecords, read_records
-from service.shadow.log import read_spool
+from service.shadow import ExperimentRecord, NoRecords, read_records
 from service.shadow.record import records_to_table
-from service.shadow.report import build_report, render_html, render_summary
 
 MODEL = "seq-mini"
 EXPLANATIONS = {
@@ -187,15 +185,3 @@ def test_a_log_without_reason_columns_still_reports(tmp_path):
     assert report.records == 60
     top = report.comparisons[0].top_reason
     assert top is not None and (top.pairs, top.differing, top.share) == (10, 6, 0.6)
-
-
-def test_a_spool_left_by_a_writer_without_reason_codes_is_read(tmp_path):
-    rows = [_record(i, "champion", ()) for i in range(5)]
-    old = records_to_table([(r, r.time_ns) for r in rows], "replica").drop_columns(["reason_codes"])
-    path = tmp_path / "part.arrows"
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, old.schema) as writer:
-        writer.write_table(old)
-    table = read_spool(path)
-    assert table.schema == RECORD_SCHEMA
-    assert table.column("request_id").to_pylist() == [f"r{i}" for i in range(5)]
-    assert table.column("reason_codes").null_count == 5

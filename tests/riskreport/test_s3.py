@@ -12,7 +12,8 @@ moto_server = pytest.importorskip("moto.server")
 
 from shadow_traffic import log_shadow_traffic, make_traffic  # noqa: E402
 
-from service.shadow import ExperimentLog, build_report  # noqa: E402
+from riskreport import build_report  # noqa: E402
+from service.shadow import ExperimentLog  # noqa: E402
 
 
 @pytest.fixture

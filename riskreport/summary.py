@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
+from riskreport.build import Report
+from riskreport.stats import Interval
 from service.explanations.reasons import TopReasonComparison
-from service.shadow.report.build import Report
-from service.shadow.report.stats import Interval
 
 __all__ = ["render_summary"]
 

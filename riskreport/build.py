@@ -24,11 +24,11 @@ import numpy as np
 import pyarrow.fs as pafs
 
 from engines.manifest import Thresholds
+from riskreport import stats
+from riskreport.dataset import open_records, sql_text
+from riskreport.labels import load_labels
+from riskreport.stats import Interval, OrderedBatch, SortedPass
 from service.explanations.reasons import TopReasonComparison
-from service.shadow.report import stats
-from service.shadow.report.dataset import open_records, sql_text
-from service.shadow.report.labels import load_labels
-from service.shadow.report.stats import Interval, OrderedBatch, SortedPass
 
 __all__ = [
     "DECISIONS",
