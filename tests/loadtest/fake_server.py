@@ -63,8 +63,8 @@ def _decode(request: risk_scoring_pb2.ScoreRequest) -> RowBatch:
     return decode_score_request(request, MANIFEST)
 
 
-def _scores(rows: RowBatch) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-np.tanh(rows.features.sum(axis=1) / 1000.0)))
+def _scores(features: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-np.tanh(features.sum(axis=1) / 1000.0)))
 
 
 def _response(
@@ -92,17 +92,17 @@ class RiskScoring(risk_scoring_pb2_grpc.RiskScoringServicer):
             rows = _decode(request)
         except ServiceError as exc:
             await _refuse(context, exc)
-        return _response(request, float(_scores(rows)[0]))
+        return _response(request, float(_scores(rows.features)[0]))
 
     async def ScoreBatch(self, request, context):
         try:
             if LENIENT:
                 for item in request.requests:
                     _lenient(item)
-            rows = decode_score_batch(request, LENIENT_MANIFEST if LENIENT else MANIFEST)
+            parts = decode_score_batch(request, LENIENT_MANIFEST if LENIENT else MANIFEST)
         except ServiceError as exc:
             await _refuse(context, exc)
-        scores = _scores(rows).tolist()
+        scores = _scores(np.concatenate([part.features for part in parts])).tolist()
         pairs = zip(request.requests, scores, strict=True)
         return risk_scoring_pb2.ScoreBatchResponse(responses=[_response(r, s) for r, s in pairs])
 
@@ -133,7 +133,7 @@ class Inference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
             rows = decode_infer_request(request, MANIFEST)
         except ServiceError as exc:
             await _refuse(context, exc)
-        scores = _scores(rows).astype(np.float32)
+        scores = _scores(rows.features).astype(np.float32)
         return encode_infer_response(request, VERSION, MANIFEST.output, scores)
 
 
