@@ -1,12 +1,10 @@
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -14,17 +12,13 @@ from pathlib import Path
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 from shadow_traffic import THRESHOLDS, make_traffic, record
+from waiting import wait_until
 
 from service.shadow import ExperimentLog
-from tests.support.waiting import until
 
 WRITER = Path(__file__).with_name("shadow_writer_proc.py")
 DAY = datetime(2026, 3, 1, 12, tzinfo=UTC)
 DAY_NS = int(DAY.timestamp() * 10**9)
-
-
-def wait(condition: Callable[[], bool], timeout_s: float) -> None:
-    asyncio.run(until(condition, timeout_s))
 
 
 def request_ids(prefix: Path) -> list[str]:
@@ -82,9 +76,9 @@ def test_files_roll_by_age_in_the_background(tmp_path: Path) -> None:
         str(tmp_path), replica_id="r", flush_interval_s=0.02, max_file_age_s=0.1
     ).start()
     log.log(record(traffic, 0, "champion"))
-    wait(lambda: request_ids(tmp_path) == ["req-0"], timeout_s=10)
+    wait_until(lambda: request_ids(tmp_path) == ["req-0"], timeout_s=10)
     log.log(record(traffic, 1, "champion"))
-    wait(lambda: len(parquet_files(tmp_path)) == 2, timeout_s=10)
+    wait_until(lambda: len(parquet_files(tmp_path)) == 2, timeout_s=10)
     log.close()
     assert sorted(request_ids(tmp_path)) == ["req-0", "req-1"]
 
@@ -136,11 +130,18 @@ def spooled(prefix: Path) -> bool:
 def test_sigkill_loses_only_what_was_not_flushed(tmp_path: Path) -> None:
     interval_s = 0.2
     writer = start_writer(tmp_path, interval_s)
-    wait(lambda: spooled(tmp_path), timeout_s=20)
+    # Each accepted id, with how many records the log had written to its file by then. The
+    # kill comes once the writer has reported records in its file.
+    lines = []
+    assert writer.stdout is not None
+    for line in writer.stdout:
+        lines.append(line)
+        if int(line.split()[1]) > 0:
+            break
     writer.send_signal(signal.SIGKILL)
     out, _ = writer.communicate(timeout=10)
-    # Each accepted id, with how many records the log had written to its file by then.
-    accepted = {int(line.split()[0]): int(line.split()[1]) for line in out.splitlines()}
+    lines += out.splitlines()
+    accepted = {int(line.split()[0]): int(line.split()[1]) for line in lines}
     flushed = max(accepted.values())
     assert flushed > 0
     assert parquet_files(tmp_path) == []  # the open file was never rolled
@@ -161,7 +162,7 @@ def test_sigkill_loses_only_what_was_not_flushed(tmp_path: Path) -> None:
 
 def test_sigterm_close_keeps_exactly_one_record_per_accepted_request(tmp_path: Path) -> None:
     writer = start_writer(tmp_path, interval_s=0.3)
-    wait(lambda: spooled(tmp_path), timeout_s=20)
+    wait_until(lambda: spooled(tmp_path), timeout_s=20)
     writer.send_signal(signal.SIGTERM)
     out, _ = writer.communicate(timeout=20)
     assert writer.returncode == 0
