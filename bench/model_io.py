@@ -167,7 +167,8 @@ def make_request_arrays(
     """One request's inputs with exactly `history_len` valid history rows.
 
     Taken from a calibration file (``calibration.npz`` beside the demo model: realistic values,
-    so the score means something) when it has a row with that much history; random otherwise.
+    so the score means something; a shorter real history is repeated to the length); random
+    where there is none.
     """
     rng = np.random.default_rng(seed)
     if calibration is None and (DEMO_MODEL_PATH.parent / "calibration.npz").exists():
@@ -195,10 +196,15 @@ def _from_calibration(
     features, history, mask = (data[name] for name in names)
     if features.shape[1] != io.n_features or history.shape[2] != io.n_history_fields:
         return None
-    rows = np.flatnonzero(mask.sum(axis=1) >= history_len)[:batch]
+    # The rows with the most history; a row with fewer than `history_len` real rows repeats
+    # them (the values stay realistic: random ones fall outside the model's feature ranges).
+    lengths = mask.sum(axis=1)
+    rows = np.flatnonzero(lengths >= history_len)[:batch]
     if rows.size < batch:
+        rows = np.argsort(-lengths, kind="stable")[:batch]
+    if rows.size < batch or lengths[rows].min() == 0:
         return None
-    picked = [history[r][mask[r] > 0][:history_len] for r in rows]
+    picked = [np.resize(history[r][mask[r] > 0], (history_len, history.shape[2])) for r in rows]
     return {
         io.features_input: features[rows].astype(np.float32),
         io.history_input: np.stack(picked).astype(np.float32),
