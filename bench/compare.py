@@ -145,12 +145,12 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
     if name == FLOOR:
         return replace(echo_spec(free_port()), name=FLOOR)
     if name == "mlserver":
-        config = MLServerConfig(
+        mlserver = MLServerConfig(
             max_batch_size=knobs.max_batch_size,
             max_batch_time_s=knobs.mlserver_batch_time_s,
             intra_op_num_threads=knobs.intra_op_threads,
         )
-        return mlserver_spec(onnx_path, WORK_DIR / "mlserver", config, free_port())
+        return mlserver_spec(onnx_path, WORK_DIR / "mlserver", mlserver, free_port())
     raise ValueError(f"unknown server {name!r}; known: {', '.join((*ALL_SERVERS, FLOOR))}")
 
 
@@ -248,7 +248,12 @@ def _common_rate(records: Sequence[dict], requested: float | None) -> float | No
         return None
     offered = set.intersection(*({p.load for p in ps if p.mode == "rate"} for ps in measured))
     answered = [
-        rate for rate in offered if all(math.isfinite(_at_rate(ps, rate).p99_ms) for ps in measured)
+        rate
+        for rate in offered
+        if all(
+            (point := _at_rate(ps, rate)) is not None and math.isfinite(point.p99_ms)
+            for ps in measured
+        )
     ]
     if answered:
         return max(answered)
@@ -261,8 +266,8 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return f"{value:,.1f}{unit}" if unit != " req/s" else f"{value:,.0f}{unit}"
 
 
-def _fmt3(value: float) -> str:
-    return f"{value:.3f}" if math.isfinite(value) else "n/a"
+def _fmt3(value: float | None) -> str:
+    return f"{value:.3f}" if value is not None and math.isfinite(value) else "n/a"
 
 
 def print_points(records: Sequence[dict]) -> None:
@@ -332,10 +337,10 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
             if a["max_rate_under_budget_rps"] and b["max_rate_under_budget_rps"]
             else None
         )
+        p99_a, p99_b = a["p99_ms_at_common_rate"], b["p99_ms_at_common_rate"]
         p99_ratio = (
-            a["p99_ms_at_common_rate"] / b["p99_ms_at_common_rate"]
-            if math.isfinite(a["p99_ms_at_common_rate"] or math.nan)
-            and math.isfinite(b["p99_ms_at_common_rate"] or math.nan)
+            p99_a / p99_b
+            if p99_a and p99_b and math.isfinite(p99_a) and math.isfinite(p99_b)
             else None
         )
         ratios[f"{ours}/{peer}"] = {

@@ -203,7 +203,7 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
     }
     if version is not None:
         experiments = tmp / f"experiments-{version}.json"
-        arms = {"champion": "1", "challengers": [version], "mode": "shadow"}
+        arms: dict[str, object] = {"champion": "1", "challengers": [version], "mode": "shadow"}
         if version == "ab":
             arms = {"champion": "1", "challengers": ["2"], "mode": "ab", "ab_share": 0.0}
         experiments.write_text(json.dumps({"models": {"fraud-demo": arms}}))
@@ -226,7 +226,7 @@ def _run(root: Path, tmp: Path, name: str, rate: float, args, payloads) -> dict:
     )
     log = REPO / "bench" / "results" / f"shadow_overhead_{port}.log"
     with ServerProcess(spec, log) as server:
-        before = []
+        before: list[float] = []
         stopped = 0
 
         def on_start() -> None:

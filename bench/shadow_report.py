@@ -206,6 +206,7 @@ def log_cost(intervals: list[float], seconds: float, rate: int) -> list[dict[str
             log = ExperimentLog(folder, replica_id="bench", flush_interval_s=interval).start()
             assert log._thread is not None
             native = log._thread.native_id
+            assert native is not None
 
             def flusher_cpu(native: int = native) -> float:
                 for t in psutil.Process().threads():
