@@ -20,11 +20,12 @@ from engines.manifest import Manifest
 from engines.watchdog import Watchdog
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
-from service.api import InferenceServicer, RiskScoringServicer
 from service.api.admission import Admission, admission_limit
 from service.api.auth import AuthInterceptor, TokenSource
 from service.api.health import DrainingHealth
+from service.api.oip import InferenceServicer
 from service.api.registration import generic_handler
+from service.api.risk import RiskScoringServicer
 from service.api.stream import MessageStreams
 from service.api.tls import CertificateFiles
 from service.batching.budget import Budget

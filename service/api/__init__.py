@@ -1,6 +1,5 @@
-"""The wire: gRPC servicers (thin: decode, await the batcher, encode) and what wraps them."""
+"""The wire: gRPC servicers (thin: decode, await the batcher, encode) and what wraps them.
 
-from service.api.oip import InferenceServicer
-from service.api.risk import RiskScoringServicer
-
-__all__ = ["InferenceServicer", "RiskScoringServicer"]
+`risk.RiskScoringServicer` and `oip.InferenceServicer` serve the two APIs; `codec` converts
+protobuf to rows and back; `boundary`, `admission` and `registration` wrap every call.
+"""
