@@ -20,6 +20,7 @@ import numpy as np
 from engines.base import Engine
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
+from service.batching.rows import RowBatch
 from service.explanations.reasons import ADVERSE_DECISIONS, Occlusion, log_codes
 from service.shadow.job import ShadowJob
 from service.shadow.log import ExperimentLog
@@ -129,10 +130,8 @@ class ChallengerScorer:
         explaining = _explaining(jobs) if occlusion.codes else []
         # "always" rows: their occluded rows join the plain rows in the same engine call.
         always = [(j, i) for j, i in explaining if jobs[j].explain_when == "always"]
-        scores, latency_s = self._infer(
-            engine, challenger, merge(feeds + [_occluded(occlusion, challenger, feeds[j], i)
-                                               for j, i in always])
-        )  # fmt: skip
+        blocks = [_occluded(occlusion, challenger, feeds[j], i) for j, i in always]
+        scores, latency_s = self._infer(engine, challenger, merge(challenger, feeds + blocks))
         codes = _codes(occlusion, jobs, always, starts, scores[:rows], scores[rows:])
         # "adverse" rows: explained, as the champion does, only on a REVIEW or DECLINE of their own.
         adverse = [
@@ -142,11 +141,9 @@ class ChallengerScorer:
             and challenger.thresholds.decide(float(scores[starts[j] + i])) in ADVERSE_DECISIONS
         ]
         if adverse:
-            blocks, _ = self._infer(
-                engine, challenger,
-                merge([_occluded(occlusion, challenger, feeds[j], i) for j, i in adverse]),
-            )  # fmt: skip
-            codes.update(_codes(occlusion, jobs, adverse, starts, scores[:rows], blocks))
+            occluded = [_occluded(occlusion, challenger, feeds[j], i) for j, i in adverse]
+            adverse_scores, _ = self._infer(engine, challenger, merge(challenger, occluded))
+            codes.update(_codes(occlusion, jobs, adverse, starts, scores[:rows], adverse_scores))
         for j, job in enumerate(jobs):
             for i in range(len(job.request_ids)):
                 row = int(starts[j]) + i
@@ -272,24 +269,16 @@ def challenger_feed(
     return feed
 
 
-def merge(feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Concatenate along the batch axis, zero-padding the other axes to the largest.
-
-    A zero mask marks padded history steps, so padding never changes a row's score.
-    """
-    if len(feeds) == 1:
-        return dict(feeds[0])
-    merged = {}
-    for name in feeds[0]:
-        arrays = [feed[name] for feed in feeds]
-        tail = tuple(max(dims) for dims in zip(*(a.shape[1:] for a in arrays), strict=True))
-        if all(a.shape[1:] == tail for a in arrays):
-            merged[name] = np.concatenate(arrays)
-            continue
-        out = np.zeros((sum(len(a) for a in arrays), *tail), dtype=arrays[0].dtype)
-        start = 0
-        for a in arrays:
-            out[(slice(start, start + len(a)), *(slice(0, d) for d in a.shape[1:]))] = a
-            start += len(a)
-        merged[name] = out
-    return merged
+def merge(manifest: Manifest, feeds: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The feeds' rows as one engine feed of `manifest`'s inputs, joined (and their histories
+    padded) by the server's one row join, `RowBatch.concat`."""
+    spec = manifest.history
+    parts = [
+        RowBatch(
+            feed[manifest.features_input],
+            None if spec is None else feed[spec.input],
+            None if spec is None else feed[spec.mask_input],
+        )
+        for feed in feeds
+    ]
+    return RowBatch.concat(parts).feed(manifest)
