@@ -6,10 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
+from waiting import wait_until
 
 from bench.servers import _exit_on_sigterm, _raise_exit, free_port
 
@@ -68,12 +68,14 @@ def test_sigterm_to_the_benchmark_stops_its_server(tmp_path: Path):
 def test_sigterm_while_the_benchmark_waits_for_its_server_stops_that_server(tmp_path: Path):
     log = tmp_path / "never-ready.log"
     with _benchmark(STARTING, log) as bench:
-        deadline = time.monotonic() + 30
-        while not (log.exists() and log.read_text().strip().isdigit()):
-            assert bench.poll() is None, "the benchmark ended before it was sent SIGTERM"
-            assert time.monotonic() < deadline, "the server never started"
-            time.sleep(0.05)
+        # Until the server has written its process id, or the benchmark has ended early.
+        wait_until(lambda: bench.poll() is not None or _pid_written(log))
+        assert bench.poll() is None, "the benchmark ended before it was sent SIGTERM"
         _stop_with_sigterm(bench, psutil.Process(int(log.read_text())))
+
+
+def _pid_written(log: Path) -> bool:
+    return log.exists() and log.read_text().strip().isdigit()
 
 
 def _benchmark(script: str, log: Path) -> subprocess.Popen[str]:
@@ -90,10 +92,7 @@ def _stop_with_sigterm(bench: subprocess.Popen[str], server: psutil.Process) -> 
         assert server.is_running() and os.getpgid(server.pid) != os.getpgid(bench.pid)
         bench.send_signal(signal.SIGTERM)
         assert bench.wait(timeout=30) == 128 + signal.SIGTERM
-        deadline = time.monotonic() + 10
-        while not _gone(server):
-            assert time.monotonic() < deadline, "the server outlived its benchmark"
-            time.sleep(0.05)
+        wait_until(lambda: _gone(server), timeout_s=10)  # else: the server outlived it
     finally:
         if bench.poll() is None:
             bench.kill()
