@@ -49,6 +49,14 @@ class HistorySpec(_Frozen):
     min_padded_length: int = Field(
         1, ge=1, description="Batches are padded to at least this many rows (models need T >= 1)."
     )
+    broadcast: bool = Field(
+        False,
+        description=(
+            "The model scores any number of feature rows against a history batch of one (the "
+            "history's terms broadcast over the features' batch), so an explained request's "
+            "history is computed once; checked when the model loads."
+        ),
+    )
 
 
 class Thresholds(_Frozen):

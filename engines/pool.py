@@ -2,7 +2,9 @@
 
 A batch whose rows do not all fit is split by row: rows whose own history length (from the
 mask) fits the engine's profile run there, trimmed to their longest row; the rest run on the
-fallback (ONNX Runtime); outputs are put back in the original row order.
+fallback (ONNX Runtime); outputs are put back in the original row order. A history input of one
+row in a batch of several feature rows (a model that broadcasts its history, `history.broadcast`
+in the manifest) is every row's history, and goes whole with any split or chunk of the rows.
 
 Faults: an engine that raises `EngineFailure`, or returns NaN or infinite outputs (the inputs
 were validated finite, so that is the engine's fault, e.g. an FP16 overflow), has that batch
@@ -84,7 +86,10 @@ def _shapes(inputs: Arrays) -> dict[str, tuple[int, ...]]:
 
 
 def _take(inputs: Arrays, rows: np.ndarray | slice) -> dict[str, np.ndarray]:
-    return {name: a[rows] for name, a in inputs.items()}
+    """`rows` of every input; an input of one row in a batch of several (a history the model
+    broadcasts over its feature rows) goes whole with any of them."""
+    n = _rows(inputs)
+    return {name: a if n > 1 and len(a) == 1 else a[rows] for name, a in inputs.items()}
 
 
 class EnginePool:
@@ -256,7 +261,8 @@ class EnginePool:
         mask = np.asarray(inputs[self.mask_input]) > 0
         # A row's length is one past its last valid position (masks may have holes).
         last = mask.shape[1] - np.argmax(mask[:, ::-1], axis=1)
-        return np.where(mask.any(axis=1), last, 0)
+        # One history for several feature rows is every row's history.
+        return np.broadcast_to(np.where(mask.any(axis=1), last, 0), (_rows(inputs),))
 
     def _split_by_history(self, engines: Sequence[Engine], inputs: Arrays) -> PoolResult | None:
         lengths = self._row_lengths(inputs)

@@ -92,10 +92,11 @@ class EngineTimeModel:
 
     @staticmethod
     def cells(rows: int, history_length: int) -> float:
+        """The padded cells of `rows` rows each with a history of `history_length`."""
         return float(rows * max(history_length, 1))
 
-    def observe(self, rows: int, history_length: int, seconds: float) -> None:
-        x = self.cells(rows, history_length)
+    def observe(self, x: float, seconds: float) -> None:
+        """One run of `seconds` for a batch of `x` cells."""
         f = self._forget
         self._sw = f * self._sw + 1.0
         self._sx = f * self._sx + x
@@ -103,11 +104,11 @@ class EngineTimeModel:
         self._sxx = f * self._sxx + x * x
         self._sxy = f * self._sxy + x * seconds
 
-    def estimate_s(self, rows: int, history_length: int) -> float:
-        """Expected engine seconds (a mean: `service.batching.budget.MARGIN` covers its error)."""
+    def estimate_s(self, x: float) -> float:
+        """Expected engine seconds for a batch of `x` cells (`cells`, or `RowBatch.cells` for
+        rows against one history; a mean: `service.batching.budget.MARGIN` covers its error)."""
         if self._sw == 0.0:
             return self._initial_s
-        x = self.cells(rows, history_length)
         mean_x, mean_y = self._sx / self._sw, self._sy / self._sw
         var_x = self._sxx / self._sw - mean_x * mean_x
         if var_x <= 1e-12 * max(mean_x * mean_x, 1.0):
@@ -127,6 +128,14 @@ class _Job:
     enqueued: float = field(compare=False)
     future: asyncio.Future[Scored] = field(compare=False)
     trace: RequestTrace | None = field(compare=False, default=None)
+    # Rows against one history (`RowBatch.shares_history`): run alone, costed by their cells.
+    shared: bool = field(compare=False, default=False)
+
+    @property
+    def cells(self) -> float:
+        if self.shared:
+            return float(sum(p.cells for p in self.parts))
+        return EngineTimeModel.cells(self.rows, self.history_length)
 
 
 @dataclass(slots=True)
@@ -136,6 +145,7 @@ class _Running:
     jobs: list[_Job]
     rows: int
     history_length: int
+    cells: float
     started_ns: int
     expected_end: float  # monotonic seconds, from the engine-time model
     trace: BatchTrace | None
@@ -254,8 +264,9 @@ class MicroBatcher:
         now = time.monotonic()
         future: asyncio.Future[Scored] = self._loop.create_future()
         trace = current_request_trace() if self._tracing is not None else None
-        job = _Job(deadline, next(self._seq), parts, rows, length, now, future, trace)
-        if now + self._estimate_wait_s(rows, length) > deadline:
+        shared = any(p.shares_history for p in parts)
+        job = _Job(deadline, next(self._seq), parts, rows, length, now, future, trace, shared)
+        if now + self._estimate_wait_s(job.cells, length) > deadline:
             self._shed("deadline")
             if self._degrade:
                 return self._degraded(job, now)
@@ -265,10 +276,11 @@ class MicroBatcher:
         self._kick()
         return await future
 
-    def _estimate_wait_s(self, rows: int, length: int) -> float:
-        """Time until `rows` would be done: a worker to free up, the queue ahead, their own run."""
+    def _estimate_wait_s(self, cells: float, length: int) -> float:
+        """Time until a job of `cells` would be done: a worker to free up, the queue ahead, its
+        own run."""
         model = self.time_model
-        own = model.estimate_s(rows, length)
+        own = model.estimate_s(cells)
         if len(self._running) < self._workers_n and not self._heap:
             return own
         now = time.monotonic()
@@ -278,9 +290,9 @@ class MicroBatcher:
         free_in = 0.0 if len(running) < self._workers_n else running[0]
         queued = self._queued_rows
         full_batches, rest = divmod(queued, self.max_batch_rows)
-        ahead = full_batches * model.estimate_s(self.max_batch_rows, length)
+        ahead = full_batches * model.estimate_s(model.cells(self.max_batch_rows, length))
         if rest:
-            ahead += model.estimate_s(rest, length)
+            ahead += model.estimate_s(model.cells(rest, length))
         return free_in + ahead / self._workers_n + own
 
     def _shed(self, reason: str) -> None:
@@ -301,7 +313,8 @@ class MicroBatcher:
 
         A job whose history length would make padding more than a third of the batch's cells
         waits for the next batch instead (at most `_MAX_DEFERRED` are passed over a take);
-        it is then the earliest deadline left, so it goes first.
+        it is then the earliest deadline left, so it goes first. A job of rows against one
+        history runs alone: merged, its history would be computed once per row.
         """
         now = time.monotonic()
         model = self.time_model
@@ -317,7 +330,7 @@ class MicroBatcher:
                 self._pop()
                 continue
             job_rows, job_length = job.rows, job.history_length
-            if now + model.estimate_s(job_rows, job_length) > job.deadline:
+            if now + model.estimate_s(job.cells) > job.deadline:
                 self._pop()
                 self._shed("deadline")
                 if self._degrade:
@@ -325,6 +338,8 @@ class MicroBatcher:
                 else:
                     self._fail(job, DeadlineMissed("deadline passed while queued"))
                 continue
+            if job.shared and taken:
+                break
             new_rows = rows + job_rows
             new_length = max(length, job_length)
             new_cells = cells + job_rows * max(job_length, 1)
@@ -335,11 +350,15 @@ class MicroBatcher:
                     break
                 deferred.append(self._pop())
                 continue
-            if taken and now + model.estimate_s(new_rows, new_length) > min(earliest, job.deadline):
+            if taken and now + model.estimate_s(model.cells(new_rows, new_length)) > min(
+                earliest, job.deadline
+            ):
                 break
             taken.append(self._pop())
             rows, length, cells = new_rows, new_length, new_cells
             earliest = min(earliest, job.deadline)
+            if job.shared:
+                break
         for job in deferred:
             heapq.heappush(self._heap, job)
             self._queued_rows += job.rows
@@ -392,7 +411,7 @@ class MicroBatcher:
             token, running = self._start_next()
             if running is None:
                 continue
-            estimate_s = self.time_model.estimate_s(running.rows, running.history_length)
+            estimate_s = self.time_model.estimate_s(running.cells)
             if estimate_s > self._inline_max_s:
                 self._inbox.put((token, _parts(running.jobs)))
                 self._dispatch()  # more workers may be free
@@ -414,6 +433,7 @@ class MicroBatcher:
             return token, None
         rows = sum(j.rows for j in jobs)
         length = max(j.history_length for j in jobs)
+        cells = jobs[0].cells if jobs[0].shared else EngineTimeModel.cells(rows, length)
         trace = None
         if self._tracing is not None:
             trace = self._tracing.start_batch(
@@ -430,8 +450,9 @@ class MicroBatcher:
             jobs,
             rows,
             length,
+            cells,
             time.monotonic_ns(),
-            time.monotonic() + self.time_model.estimate_s(rows, length),
+            time.monotonic() + self.time_model.estimate_s(cells),
             trace,
         )
         self._running[token] = running
@@ -472,7 +493,7 @@ class MicroBatcher:
             for job in jobs:
                 self._fail(job, ScoringFailed("scoring failed"))
             return
-        self.time_model.observe(running.rows, running.history_length, outcome.engine_s)
+        self.time_model.observe(running.cells, outcome.engine_s)
         started_ns = running.started_ns
         started = started_ns / 1e9
         if running.trace is not None:

@@ -1,9 +1,9 @@
 """`RowBatch`: the one shape a request's rows have from decoding to the engine.
 
-The codec builds it from the wire, the batcher queues and merges it, the explainer tiles it,
-and `RowBatch.feed` names its arrays as the model's inputs for the engine. `RowBatch.concat` is
-the one place histories are padded: to the longest row of what it joins, zeros after each
-row's length, with the mask saying which rows are real.
+The codec builds it from the wire, the batcher queues and merges it, the explainer builds its
+blocks, and `RowBatch.feed` names its arrays as the model's inputs for the engine.
+`RowBatch.concat` is the one place histories are padded: to the longest row of what it joins,
+zeros after each row's length, with the mask saying which rows are real.
 """
 
 from __future__ import annotations
@@ -34,6 +34,21 @@ class RowBatch:
     def history_length(self) -> int:
         return 0 if self.history is None else int(self.history.shape[1])
 
+    @property
+    def shares_history(self) -> bool:
+        """Several rows against one history: a model whose manifest declares
+        `history.broadcast` scores each feature row with it (an explained request's block)."""
+        return self.history is not None and self.history.shape[0] == 1 and self.rows > 1
+
+    @property
+    def cells(self) -> int:
+        """The engine's work in history cells: one per history row computed, one per row
+        without a history of its own."""
+        if self.history is None:
+            return self.rows
+        histories = int(self.history.shape[0])
+        return histories * max(self.history_length, 1) + self.rows - histories
+
     @classmethod
     def single(
         cls, features: np.ndarray, history: np.ndarray, spec: HistorySpec | None
@@ -54,7 +69,9 @@ class RowBatch:
     @classmethod
     def concat(cls, parts: Sequence[RowBatch], spec: HistorySpec | None = None) -> RowBatch:
         """The parts' rows in order, every history padded to the longest (and to at least
-        `spec.min_padded_length`); a part without a mask has every history row real."""
+        `spec.min_padded_length`); a part without a mask has every history row real. A part
+        alone is returned as it is; one that `shares_history` joined with others has its one
+        history repeated for each of its rows."""
         if len(parts) == 1 and parts[0].mask is not None:
             return parts[0]
         features = np.concatenate([p.features for p in parts])

@@ -122,6 +122,9 @@ class VersionLoader:
                 f"folder is {path.parent.name}/{path.name}"
             )
         engines, fallback = self._engine_factory(path, manifest)
+        if manifest.history is not None and manifest.history.broadcast:
+            for engine in {id(e): e for e in (*engines, fallback)}.values():
+                _check_broadcast(path, manifest, engine)
         pool = EnginePool.for_manifest(manifest, engines, fallback)
         precisions = {e.name: e.precision for e in (*engines, fallback)}
         max_rows = batch_cap(self._max_batch_rows, manifest, [*engines, fallback])
@@ -172,10 +175,45 @@ class VersionLoader:
             for rows in sizes:
                 batch = _warmup_rows(manifest, rows, length)
                 outcome = model.batcher.run_batch(batch)
-                time_model.observe(rows, length, outcome.engine_s)
+                time_model.observe(time_model.cells(rows, length), outcome.engine_s)
 
 
 _TYPICAL_HISTORY = 32
+# Feature rows of the broadcast probe, and how far apart its two forms' scores may be.
+_PROBE_ROWS = 3
+_PROBE_TOLERANCE = 1e-3
+
+
+def _check_broadcast(path: Path, manifest: Manifest, engine: Engine) -> None:
+    """Refuse a version whose manifest declares `history.broadcast` where `engine` does not
+    score several feature rows against a history batch of one as against that history repeated.
+    """
+    spec = manifest.history
+    assert spec is not None
+    rng = np.random.default_rng(0)
+    length = min(_TYPICAL_HISTORY, spec.max_length)
+    features = rng.uniform(0.0, 1.0, (_PROBE_ROWS, manifest.n_features)).astype(np.float32)
+    history = rng.uniform(0.0, 1.0, (1, length, len(spec.fields))).astype(np.float32)
+    mask = np.ones((1, length), dtype=np.float32)
+    shared = {manifest.features_input: features, spec.input: history, spec.mask_input: mask}
+    repeated = {
+        manifest.features_input: features,
+        spec.input: np.repeat(history, _PROBE_ROWS, axis=0),
+        spec.mask_input: np.repeat(mask, _PROBE_ROWS, axis=0),
+    }
+    problem = f"{path}: the manifest declares history.broadcast, but engine {engine.name}"
+    try:
+        got = np.asarray(engine.infer(shared)[manifest.output], dtype=np.float64)
+    except Exception as exc:
+        raise Unavailable(f"{problem} fails on a history batch of 1: {exc}") from exc
+    want = np.asarray(engine.infer(repeated)[manifest.output], dtype=np.float64)
+    if got.shape != want.shape or not np.allclose(
+        got, want, rtol=_PROBE_TOLERANCE, atol=_PROBE_TOLERANCE
+    ):
+        raise Unavailable(
+            f"{problem} scores {_PROBE_ROWS} rows against one history differently from the "
+            f"same history repeated (shapes {got.shape} and {want.shape})"
+        )
 
 
 def settle_heap() -> None:

@@ -151,6 +151,39 @@ def test_large_batch_is_chunked_to_the_profile() -> None:
     np.testing.assert_allclose(result.outputs["score"], _score(inputs), rtol=1e-6)
 
 
+def _against_one_history(rows: int, length: int) -> tuple[dict, dict]:
+    """Feature rows against one history, and the same with the history repeated per row."""
+    inputs = _batch([length], padded=length)
+    features = np.random.default_rng(rows).normal(size=(rows, 4)).astype(np.float32)
+    shared = {**inputs, "features": features}
+    repeated = {
+        "features": features,
+        "history": np.repeat(inputs["history"], rows, axis=0),
+        "history_mask": np.repeat(inputs["history_mask"], rows, axis=0),
+    }
+    return shared, repeated
+
+
+def test_one_history_goes_whole_with_every_chunk() -> None:
+    fast = FakeEngine("tensorrt-fp16", max_batch=8)
+    pool, _ = _pool(fast)
+    shared, repeated = _against_one_history(20, 4)
+    result = pool.run(shared)
+    assert [c["features"][0] for c in fast.calls] == [8, 8, 4]
+    assert {c["history"] for c in fast.calls} == {(1, 4, 2)}
+    np.testing.assert_allclose(result.outputs["score"], _score(repeated), rtol=1e-6)
+
+
+def test_one_history_too_long_for_the_engine_sends_every_row_to_the_fallback() -> None:
+    pool, fallback = _pool(FakeEngine("tensorrt-fp16"))
+    shared, repeated = _against_one_history(5, 40)
+    result = pool.run(shared)
+    assert result.engine_name == "onnxruntime-cpu"
+    assert result.row_engines == ("onnxruntime-cpu",) * 5
+    assert fallback.calls == [{"features": (5, 4), "history": (1, 40, 2), "history_mask": (1, 40)}]
+    np.testing.assert_allclose(result.outputs["score"], _score(repeated), rtol=1e-6)
+
+
 def test_engine_error_falls_back_and_repeated_errors_remove_the_engine() -> None:
     fast = FakeEngine("tensorrt-fp16", fail=3)
     pool, _fallback = _pool(fast, max_consecutive_errors=3)

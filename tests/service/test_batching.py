@@ -233,6 +233,47 @@ def test_a_long_history_waits_for_its_own_batch_instead_of_padding_short_ones():
     assert scores == [0.0, 0.0, 0.0, 1.0, 2.0]
 
 
+def test_rows_against_one_history_run_as_a_batch_of_their_own():
+    """An explained request's block against one history is never merged with other rows (that
+    would compute its history once per row): the rows before it go together, it goes alone."""
+    release = threading.Event()
+    shapes: list[tuple[int, int]] = []
+
+    def run(rows: RowBatch) -> Scored:
+        shapes.append((rows.rows, int(rows.history.shape[0])))
+        release.wait(5)
+        return Scored(np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
+
+    def rows_of(n: int, histories: int) -> RowBatch:
+        return RowBatch(
+            np.zeros((n, 4), np.float32),
+            np.ones((histories, 8, 3), np.float32),
+            np.ones((histories, 8), np.float32),
+        )
+
+    async def scenario() -> list[list[float]]:
+        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1, inline_max_s=0)
+        batcher.start()
+        deadline = time.monotonic() + 5
+        first = asyncio.create_task(batcher.submit(rows_of(1, 1), deadline))
+        await until(lambda: len(shapes) == 1, 5)  # the engine is now busy with the first batch
+        queued = [
+            asyncio.create_task(batcher.submit(rows, deadline + 0.1 * i))
+            for i, rows in enumerate(
+                (rows_of(1, 1), rows_of(1, 1), rows_of(3, 1), rows_of(1, 1), rows_of(1, 1))
+            )
+        ]
+        await until(lambda: batcher.queued_rows == 7, 5)
+        release.set()
+        scored = await asyncio.gather(first, *queued)
+        await batcher.close(1.0)
+        return [s.scores.tolist() for s in scored]
+
+    scores = asyncio.run(scenario())
+    assert shapes == [(1, 1), (2, 2), (3, 1), (2, 2)]
+    assert scores == [[0.0], [0.0], [1.0], [0.0, 1.0, 2.0], [0.0], [1.0]]
+
+
 def test_calls_beyond_the_admission_limit_are_refused_at_once(seq_models):
     """More scoring calls in progress than the limit: the excess is RESOURCE_EXHAUSTED, named as
     such, and every call admitted is still scored."""

@@ -56,3 +56,19 @@ def test_feed_names_the_models_inputs():
         manifest.history.mask_input,
     }
     assert feed[manifest.history.input] is demo.history
+
+
+def test_rows_against_one_history_count_it_once_and_repeat_it_when_merged():
+    shared = RowBatch(
+        np.arange(12, dtype=np.float32).reshape(3, 4),
+        np.full((1, 5, 2), 7.0, np.float32),
+        np.ones((1, 5), np.float32),
+    )
+    assert shared.shares_history and shared.cells == 5 + 2
+    own = _row(5, 1.0)
+    assert not own.shares_history and own.cells == 5
+    assert RowBatch.concat([shared]) is shared  # alone, it goes to the engine as it is
+    merged = RowBatch.concat([_row(2, 1.0), shared])
+    assert merged.rows == 4 and merged.history.shape == (4, 5, 2)
+    assert (merged.history[1:] == 7.0).all() and merged.mask[1:].sum() == 3 * 5
+    assert merged.features[1:].tolist() == shared.features.tolist()

@@ -60,8 +60,14 @@ def write_sequence_model(
     n_fields: int = 3,
     max_length: int = 16,
     seed: int = 1,
+    join: str = "add",
+    broadcast: bool = False,
 ) -> Path:
-    """sigmoid(x.w + mean over valid rows of (h.v)): the demo's inputs in miniature."""
+    """sigmoid(x.w + mean over valid rows of (h.v)): the demo's inputs in miniature.
+
+    `join` "add" adds the two terms (numpy broadcasting: a history batch of one serves any
+    number of feature rows); "concat" concatenates them and sums, the same score, but a history
+    batch must equal the features' batch. `broadcast` declares `history.broadcast`."""
     rng = np.random.default_rng(seed)
     w = rng.normal(size=(n_features, 1)).astype(np.float32)
     v = rng.normal(size=(n_fields, 1)).astype(np.float32)
@@ -75,9 +81,15 @@ def write_sequence_model(
         helper.make_node("ReduceSum", ["history_mask", "axis1"], ["count"], keepdims=1),
         helper.make_node("Max", ["count", "one"], ["denominator"]),
         helper.make_node("Div", ["hsum", "denominator"], ["hmean"]),
-        helper.make_node("Add", ["xw", "hmean"], ["logit"]),
-        helper.make_node("Sigmoid", ["logit"], ["score"]),
     ]
+    if join == "add":
+        nodes.append(helper.make_node("Add", ["xw", "hmean"], ["logit"]))
+    else:
+        nodes += [
+            helper.make_node("Concat", ["xw", "hmean"], ["terms"], axis=1),
+            helper.make_node("ReduceSum", ["terms", "axis1"], ["logit"], keepdims=1),
+        ]
+    nodes.append(helper.make_node("Sigmoid", ["logit"], ["score"]))
     graph = helper.make_graph(
         nodes,
         name,
@@ -101,7 +113,11 @@ def write_sequence_model(
         "name": name,
         "version": version,
         "features": [f"x{i}" for i in range(n_features)],
-        "history": {"fields": [f"h{i}" for i in range(n_fields)], "max_length": max_length},
+        "history": {
+            "fields": [f"h{i}" for i in range(n_fields)],
+            "max_length": max_length,
+            "broadcast": broadcast,
+        },
         "output": "score",
         "thresholds": {"review": 0.6, "decline": 0.85},
         "max_batch_size": 64,
