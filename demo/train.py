@@ -15,7 +15,8 @@ mean and a masked max, plus ``log1p`` of the number of real rows; a head over bo
 logit, and the exported graph ends in a sigmoid. Normalisation (training means and standard
 deviations, then a clip to +-8) is part of the graph, so callers send raw values. Padded rows are
 excluded from attention by an additive bias of -1e4 (finite, so an all-padding row stays finite
-and the value fits in FP16) and from pooling by the mask.
+and the value fits in FP16) and from pooling by the mask. After export, `demo.share_history` lets
+the graph score many feature rows against one history (``history.broadcast`` in the manifest).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import torch
 from torch import nn
 
@@ -37,6 +39,7 @@ from demo.generator import (
     generate,
     model_inputs,
 )
+from demo.share_history import share_history
 
 VALIDATION_SEED_OFFSET = 1_000_003
 CALIBRATION_SEED_OFFSET = 2_000_003
@@ -237,6 +240,7 @@ def _export(scorer: Scorer, sample: dict[str, np.ndarray], path: Path) -> None:
         opset_version=OPSET,
         dynamo=False,
     )
+    onnx.save(share_history(onnx.load(str(path))), str(path))
 
 
 def _manifest(review: float, decline: float, auc: float) -> dict:
@@ -256,6 +260,7 @@ def _manifest(review: float, decline: float, auc: float) -> dict:
             "fields": list(HISTORY_FIELDS),
             "max_length": 256,
             "min_padded_length": 1,
+            "broadcast": True,
         },
         "output": "score",
         "nan_policy": "reject",

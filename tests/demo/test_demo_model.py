@@ -93,9 +93,11 @@ def test_manifest_matches_the_onnx_graph(session: ort.InferenceSession) -> None:
     assert inputs[manifest.history.input].shape[2] == len(HISTORY_FIELDS)
     assert all(i.type == "tensor(float)" for i in inputs.values())
     batch_dim = inputs[manifest.features_input].shape[0]
-    length_dim = inputs[manifest.history.input].shape[1]
+    history_batch_dim, length_dim = inputs[manifest.history.input].shape[:2]
     assert isinstance(batch_dim, str) and isinstance(length_dim, str)
-    assert inputs[manifest.history.mask_input].shape == [batch_dim, length_dim]
+    # The history has a batch of its own: the graph broadcasts it over the feature rows.
+    assert manifest.history.broadcast and history_batch_dim == "history_batch" != batch_dim
+    assert inputs[manifest.history.mask_input].shape == [history_batch_dim, length_dim]
     (output,) = session.get_outputs()
     assert output.name == manifest.output and output.shape[1] == 1
     for precision in ("fp16", "int8"):
