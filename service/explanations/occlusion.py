@@ -3,7 +3,10 @@
 An explained request becomes one block of rows for the micro-batcher: the request's own row, then
 one row per reason code of the manifest with that code's features set to their baselines (and,
 for the history group, the history emptied). The batcher keeps a block together, so the whole
-explanation is one engine call under the request's deadline. A code's contribution is
+explanation is one engine call under the request's deadline. Where the model broadcasts its
+history (`history.broadcast` in the manifest), the rows that keep the request's history are sent
+against that one history, so the engine computes it once rather than once per row, and the rows
+that empty it go as a second, small block under the same deadline. A code's contribution is
 ``logit(score) - logit(score of its occluded row)``: how much higher, in log-odds, the score is
 with the features as they are than with them at their baselines. docs/explanations.md says what
 that does and does not mean.
@@ -11,6 +14,7 @@ that does and does not mean.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,7 +54,14 @@ Submit = Callable[[RowBatch, float], Awaitable[Scored]]
 
 
 class Explainer(Occlusion):
-    """`Occlusion` over the request path's `RowBatch`: one block per explained request."""
+    """`Occlusion` over the request path's `RowBatch`: the blocks of an explained request."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        super().__init__(manifest)
+        spec = manifest.history
+        self._broadcast = spec is not None and spec.broadcast
+        self._empty_length = spec.min_padded_length if spec is not None else 1
+        self._keeps = ~self.empties_history
 
     def block(self, rows: RowBatch) -> RowBatch:
         """The one-row `rows`, then one row per code with that code's inputs at baseline."""
@@ -62,6 +73,40 @@ class Explainer(Occlusion):
             np.concatenate([rows.history, history]),
             np.concatenate([rows.mask, mask]),
         )
+
+    def blocks(self, rows: RowBatch) -> tuple[RowBatch, ...]:
+        """What to score for the one-row `rows`: `block`, or where the model broadcasts its
+        history, the row and the codes that keep its history against that one history, then
+        (if any code empties it) those codes' rows with an empty history.
+        `block_scores` puts their scores back in `block` order."""
+        if not self._broadcast or rows.history is None or rows.mask is None:
+            return (self.block(rows),)
+        features = self.occluded_features(rows.features)
+        shared = RowBatch(
+            np.concatenate([rows.features, features[self._keeps]]), rows.history, rows.mask
+        )
+        emptied = features[~self._keeps]
+        if not len(emptied):
+            return (shared,)
+        n, fields = len(emptied), rows.history.shape[2]
+        empty = RowBatch(
+            emptied,
+            np.zeros((n, self._empty_length, fields), dtype=rows.history.dtype),
+            np.zeros((n, self._empty_length), dtype=rows.mask.dtype),
+        )
+        return shared, empty
+
+    def block_scores(self, scores: Sequence[np.ndarray]) -> np.ndarray:
+        """The scores of `blocks`' rows, in `block` order: the row, then one per code."""
+        if len(scores) == 1:
+            return scores[0]
+        shared = scores[0]
+        out = np.empty(self.block_rows, dtype=shared.dtype)
+        out[0] = shared[0]
+        by_code = out[1:]
+        by_code[self._keeps] = shared[1:]
+        by_code[~self._keeps] = scores[1]
+        return out
 
 
 def explained(
@@ -133,11 +178,24 @@ async def score_explained(
             or manifest.thresholds.decide(score) not in ADVERSE_DECISIONS
         ):
             return scored, ()
-        block = await submit(explainer.block(rows), deadline)
-        return scored, explainer.reasons(block.scores, top_k)
-    block = await submit(explainer.block(rows), deadline)
-    own = dataclasses.replace(block, scores=block.scores[:1], row_engines=block.row_engines[:1])
-    return own, explainer.reasons(block.scores, top_k)
+        _, scores = await _score_blocks(submit, explainer, rows, deadline)
+        return scored, explainer.reasons(scores, top_k)
+    first, scores = await _score_blocks(submit, explainer, rows, deadline)
+    own = dataclasses.replace(first, scores=first.scores[:1], row_engines=first.row_engines[:1])
+    return own, explainer.reasons(scores, top_k)
+
+
+async def _score_blocks(
+    submit: Submit, explainer: Explainer, rows: RowBatch, deadline: float
+) -> tuple[Scored, np.ndarray]:
+    """The first block's Scored (the request's own row is its first) and the scores of every
+    occlusion row in `Explainer.block` order. Several blocks are queued together."""
+    blocks = explainer.blocks(rows)
+    if len(blocks) == 1:
+        scored = await submit(blocks[0], deadline)
+        return scored, scored.scores
+    results = await asyncio.gather(*(submit(block, deadline) for block in blocks))
+    return results[0], explainer.block_scores([r.scores for r in results])
 
 
 def check_batch(request: pb.ScoreBatchRequest) -> None:

@@ -77,6 +77,8 @@ class Occlusion:
             self._baselines[i, columns] = code.baselines
         self._no_history = np.array([c.history for c in self.codes], dtype=bool)
         self._features = tuple(c.features + (("history",) if c.history else ()) for c in self.codes)
+        names = [c.code for c in self.codes]
+        self._code_rank = np.array([sorted(names).index(name) for name in names], dtype=np.int64)
 
     @property
     def block_rows(self) -> int:
@@ -86,9 +88,8 @@ class Occlusion:
         self, features: np.ndarray, history: np.ndarray | None, mask: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
         """One row per code for the one-row arrays given, that code's inputs at baseline."""
-        assert len(features) == 1, "occlusion explains one row"
         n = len(self.codes)
-        rows = np.where(self._occluded, self._baselines, features[0]).astype(features.dtype)
+        rows = self.occluded_features(features)
         if history is None or mask is None:
             return rows, None, None
         histories = np.broadcast_to(history, (n, *history.shape[1:])).copy()
@@ -97,20 +98,33 @@ class Occlusion:
         histories[self._no_history] = 0
         return rows, histories, masks
 
+    def occluded_features(self, features: np.ndarray) -> np.ndarray:
+        """The feature rows of `occluded`: one per code, that code's features at baseline."""
+        assert len(features) == 1, "occlusion explains one row"
+        return np.where(self._occluded, self._baselines, features[0]).astype(features.dtype)
+
+    @property
+    def empties_history(self) -> np.ndarray:
+        """Per code (in `codes` order), whether its occluded row has the history emptied."""
+        return self._no_history
+
     def reasons(self, scores: np.ndarray, top_k: int) -> tuple[Reason, ...]:
         """The `top_k` adverse reasons from a block's scores, largest first, ties by code."""
         if top_k <= 0 or not np.isfinite(scores).all():
             return ()
         logits = _logit(scores)
-        ranked = []
-        for i, code in enumerate(self.codes):
-            contribution = round((logits[0] - logits[1 + i]) / _QUANTUM) * _QUANTUM
-            if contribution > 0:
-                ranked.append((-contribution, code.code, i))
-        ranked.sort()
+        contributions = np.round((logits[0] - logits[1:]) / _QUANTUM) * _QUANTUM
+        adverse = np.flatnonzero(contributions > 0)
+        # Largest contribution first; equal ones in code order.
+        ranked = adverse[np.lexsort((self._code_rank[adverse], -contributions[adverse]))]
         return tuple(
-            Reason(self.codes[i].code, self.codes[i].text, self._features[i], -negative)
-            for negative, _, i in ranked[:top_k]
+            Reason(
+                self.codes[i].code,
+                self.codes[i].text,
+                self._features[i],
+                float(contributions[i]),
+            )
+            for i in ranked[:top_k]
         )
 
 

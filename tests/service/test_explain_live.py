@@ -63,8 +63,24 @@ def models(tmp_path_factory) -> Path:
     (root / "fraud-demo").symlink_to(DEMO, target_is_directory=True)
     _declare(write_tabular_model(root, name="lr-explained"), TABULAR_EXPLANATIONS)
     _declare(write_sequence_model(root, name="seq-explained"), SEQUENCE_EXPLANATIONS)
+    # The same weights, declared to broadcast its history: explained against one history.
+    _declare(write_sequence_model(root, name="seq-shared", broadcast=True), SEQUENCE_EXPLANATIONS)
     write_tabular_model(root, name="lr-plain")
+    _demo_repeating_its_history(root / "fraud-demo-repeated" / "1")
     return root
+
+
+def _demo_repeating_its_history(folder: Path) -> None:
+    """The demo model under another name, without `history.broadcast`: every occlusion row
+    carries its own copy of the history, as for a model that cannot broadcast."""
+    folder.mkdir(parents=True)
+    for name in ("model.onnx", "calibration.npz"):
+        (folder / name).symlink_to(DEMO / "1" / name)
+    data = json.loads((DEMO / "1" / "manifest.json").read_text())
+    data["name"] = "fraud-demo-repeated"
+    data["history"]["broadcast"] = False
+    data["variants"] = {}
+    (folder / "manifest.json").write_text(json.dumps(data))
 
 
 @pytest.fixture(scope="module")
@@ -144,10 +160,12 @@ def test_top_k_keeps_the_largest(stub):
     assert all(c > 0 for c in contributions)
 
 
+@pytest.mark.parametrize("model", ["seq-explained", "seq-shared"])
 @pytest.mark.parametrize("seed", range(4))
-def test_history_group_contribution_is_its_mean_term(stub, models, seed):
+def test_history_group_contribution_is_its_mean_term(stub, models, seed, model):
     """seq-mini: logit = x.w + mean over real rows of (h.v); emptying the history removes the
-    mean term, so the history group's contribution is exactly that term."""
+    mean term, so the history group's contribution is exactly that term, whether the block's
+    rows carry the history each (seq-explained) or share one (seq-shared)."""
     weights = _weights(models / "seq-explained" / "1")
     w = weights["w"].reshape(-1).astype(np.float64)
     v = weights["v"].reshape(-1).astype(np.float64)
@@ -164,7 +182,7 @@ def test_history_group_contribution_is_its_mean_term(stub, models, seed):
     )
     reply = stub.Score(
         pb.ScoreRequest(
-            model="seq-explained",
+            model=model,
             features={f"x{i}": float(val) for i, val in enumerate(x)},
             history=[pb.HistoryRow(values=row.tolist()) for row in history],
             explain_top_k=5,
@@ -176,6 +194,9 @@ def test_history_group_contribution_is_its_mean_term(stub, models, seed):
     for reason in reply.reasons:
         if reason.code == "H":
             assert list(reason.features) == ["history"]
+    # seq-explained: the row and codes X, Y, H in one block; seq-shared: the row, X and Y
+    # against the one history (H's row, with the history emptied, is scored apart).
+    assert reply.timings.batch_size == (4 if model == "seq-explained" else 3)
 
 
 def _demo_request(data, i: int, **explain) -> pb.ScoreRequest:
@@ -230,14 +251,37 @@ def test_demo_adverse_mode_explains_review_and_decline_only(stub, demo_data):
     assert {"APPROVE", "REVIEW"} <= seen or {"APPROVE", "DECLINE"} <= seen
 
 
-def test_demo_block_is_one_batch_of_fifteen_rows(stub, demo_data):
-    """Always-mode: the row and one row per code (14 codes) in one engine call."""
+def test_demo_block_is_one_batch_against_one_history(stub, demo_data):
+    """Always-mode: the demo broadcasts its history, so the row and the 13 codes that keep the
+    history are one engine call of 14 rows against one history; the history code's row, with
+    the history emptied, runs apart."""
     reply = stub.Score(
         _demo_request(demo_data, 1, explain_top_k=14, explain_when=pb.EXPLAIN_ALWAYS), timeout=10
     )
-    assert reply.timings.batch_size >= 15
+    assert reply.timings.batch_size == 14
     plain = stub.Score(_demo_request(demo_data, 1), timeout=10)
     assert abs(plain.score - reply.score) <= 1e-5
+    repeated = stub.Score(
+        _demo_request(demo_data, 1, explain_top_k=14, explain_when=pb.EXPLAIN_ALWAYS),
+        timeout=10,
+    )
+    assert repeated.timings.batch_size == 14  # the same request: the same shape of call
+
+
+def test_demo_reasons_against_one_history_equal_those_of_repeated_histories(stub, demo_data):
+    """The same model and requests, with and without `history.broadcast`: the same reasons,
+    in the same order, with the same contributions (to the ranking's rounding)."""
+    flagged = np.flatnonzero(demo_data.labels == 1)[:6]
+    for i in flagged:
+        request = _demo_request(demo_data, int(i), explain_top_k=14, explain_when=pb.EXPLAIN_ALWAYS)
+        shared = stub.Score(request, timeout=10)
+        request.model = "fraud-demo-repeated"
+        repeated = stub.Score(request, timeout=10)
+        assert repeated.timings.batch_size == 15
+        assert [r.code for r in shared.reasons] == [r.code for r in repeated.reasons]
+        assert shared.reasons, "a reported fraud of the demo data has adverse reasons"
+        for a, b in zip(shared.reasons, repeated.reasons, strict=True):
+            assert abs(a.contribution - b.contribution) <= 2e-4
 
 
 def _status(call) -> grpc.RpcError:
