@@ -14,7 +14,6 @@ the pool. An engine that hangs (`EngineHung`, from `engines.watchdog`) is taken 
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from collections.abc import Collection, Mapping, Sequence
@@ -32,9 +31,18 @@ from engines.base import (
 )
 from engines.manifest import Manifest
 
-__all__ = ["CalibrationReport", "EngineHealth", "EnginePool", "PoolResult"]
+__all__ = [
+    "REDUCED_PRECISION_MARGIN",
+    "CalibrationReport",
+    "EngineHealth",
+    "EnginePool",
+    "PoolResult",
+]
 
 Arrays = Mapping[str, np.ndarray]
+
+REDUCED_PRECISION_MARGIN = 1.05
+"""How much faster (5 %) an FP16 or INT8 engine must measure to rank above an FP32 one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +70,7 @@ class EngineHealth:
 
 @dataclass(frozen=True, slots=True)
 class CalibrationReport:
-    """Median seconds per batch for each engine and batch size it accepts."""
+    """Fastest seconds per batch for each engine and batch size it accepts."""
 
     seconds: dict[str, dict[int, float]]
     order: tuple[str, ...]
@@ -336,52 +344,81 @@ class EnginePool:
     # -- calibration -----------------------------------------------------------------------
 
     def calibrate(
-        self, sample_inputs: Arrays, batch_sizes: Sequence[int], repeats: int = 5
+        self, sample_inputs: Arrays, batch_sizes: Sequence[int], repeats: int = 15
     ) -> CalibrationReport:
         """Time every engine per batch size and order the pool fastest first.
 
-        Engines are ranked by the geometric mean of their time relative to the fastest engine
-        at each batch size they accept; an engine that accepts none keeps its place at the end.
-        The sample's first row becomes the probe that tells a broken engine from rows outside
-        its range (`_fail_over`), if the fallback scores it finitely.
+        At each batch size the engines run in turn, `repeats` rounds, and each keeps its
+        fastest run: the least disturbed by other work on the machine, and alike for every
+        engine since a disturbance spans one round, not one engine's whole series. Engines are
+        ranked by the geometric mean of their time relative to the fastest engine at each
+        batch size they accept; a reduced-precision engine must be more than
+        `REDUCED_PRECISION_MARGIN` faster than an FP32 one to be ranked above it (precision is
+        given up only for speed that was measured); an engine that accepts no batch size keeps
+        its place at the end. The sample's first row becomes the probe that tells a broken
+        engine from rows outside its range (`_fail_over`), if the fallback scores it finitely.
         """
         probe = _take(sample_inputs, slice(0, 1))
         if _non_finite(self.fallback.infer(probe)) is None:
             self._probe = probe
-        seconds: dict[str, dict[int, float]] = {}
-        for engine in self.in_service:
-            seconds[engine.name] = {}
-            for size in batch_sizes:
-                batch = _tile(sample_inputs, size)
-                try:
-                    engine.select_profile(_shapes(batch))
-                except ShapeMismatch:
-                    continue
-                try:
-                    engine.infer(batch)  # warm-up: first runs allocate and pick kernels
-                    times = []
-                    for _ in range(repeats):
+        engines = list(self.in_service)
+        seconds: dict[str, dict[int, float]] = {e.name: {} for e in engines}
+        broken: set[str] = set()
+        for size in batch_sizes:
+            batch = _tile(sample_inputs, size)
+            timed = [e for e in engines if e.name not in broken and _fits(e, batch)]
+            best: dict[str, float] = {}
+            for round_ in range(repeats + 1):  # the first round warms up: allocation, kernels
+                for engine in timed:
+                    if engine.name in broken:
+                        continue
+                    try:
                         start = time.perf_counter()
                         engine.infer(batch)
-                        times.append(time.perf_counter() - start)
-                except EngineFailure as exc:
-                    self._record(engine, exc)
-                    break
-                seconds[engine.name][size] = statistics.median(times)
-        best = {
-            size: min((t[size] for t in seconds.values() if size in t), default=None)
-            for size in batch_sizes
-        }
-
-        def score(engine: Engine) -> float:
-            ratios = [t / b for s, t in seconds[engine.name].items() if (b := best[s]) and b > 0]
-            return float(np.exp(np.mean(np.log(ratios)))) if ratios else float("inf")
-
+                        elapsed = time.perf_counter() - start
+                    except EngineFailure as exc:
+                        self._record(engine, exc)
+                        broken.add(engine.name)
+                        continue
+                    if round_:
+                        best[engine.name] = min(best.get(engine.name, elapsed), elapsed)
+            for name, value in best.items():
+                if name not in broken:
+                    seconds[name][size] = value
         with self._lock:
-            self._engines.sort(key=score)
+            self._engines = rank_engines(self._engines, seconds)
             self._in_service = self._serving()
             order = tuple(e.name for e in self._engines)
         return CalibrationReport(seconds, order)
+
+
+def rank_engines(
+    engines: Sequence[Engine], seconds: Mapping[str, Mapping[int, float]]
+) -> list[Engine]:
+    """`engines` fastest first by `seconds` (engine name -> batch size -> seconds): the
+    geometric mean of each engine's time relative to the fastest at each batch size it ran,
+    times `REDUCED_PRECISION_MARGIN` for an engine below FP32; engines without a time last, in
+    their order."""
+    sizes = {size for times in seconds.values() for size in times}
+    fastest = {size: min(t[size] for t in seconds.values() if size in t) for size in sizes}
+
+    def score(engine: Engine) -> float:
+        times = seconds.get(engine.name, {})
+        ratios = [t / fastest[s] for s, t in times.items() if fastest[s] > 0]
+        if not ratios:
+            return float("inf")
+        relative = float(np.exp(np.mean(np.log(ratios))))
+        return relative * (REDUCED_PRECISION_MARGIN if engine.precision != "fp32" else 1.0)
+
+    return sorted(engines, key=score)
+
+
+def _fits(engine: Engine, batch: Arrays) -> bool:
+    try:
+        engine.select_profile(_shapes(batch))
+    except ShapeMismatch:
+        return False
+    return True
 
 
 def _tile(inputs: Arrays, rows: int) -> dict[str, np.ndarray]:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engines.base import DimRange, Engine, EngineFailure, Profile, TensorSpec
-from engines.pool import EnginePool
+from engines.pool import REDUCED_PRECISION_MARGIN, EnginePool, rank_engines
 
 
 def _score(inputs: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -283,6 +283,21 @@ def test_calibrate_orders_engines_fastest_first() -> None:
     assert [e.name for e in pool.engines] == ["tensorrt-int8", "tensorrt-fp16"]
     assert set(report.seconds["tensorrt-fp16"]) == {1, 8}  # 32 rows exceed the profile
     assert report.seconds["tensorrt-fp16"][1] >= 0.004
+
+
+@pytest.mark.parametrize("int8_ratio", [1.0, 0.97, 0.9])
+def test_a_reduced_precision_engine_ranks_first_only_when_measurably_faster(int8_ratio) -> None:
+    fp32 = FakeEngine("onnxruntime-cpu", precision="fp32")
+    int8 = FakeEngine("onnxruntime-cpu-int8", precision="int8")
+    idle = FakeEngine("onnxruntime-cpu-fp16", precision="fp16")  # accepted no batch size
+    seconds = {
+        "onnxruntime-cpu": {1: 0.001, 8: 0.004},
+        "onnxruntime-cpu-int8": {1: 0.001 * int8_ratio, 8: 0.004 * int8_ratio},
+    }
+    ranked = [e.name for e in rank_engines([idle, int8, fp32], seconds)]
+    faster = int8_ratio * REDUCED_PRECISION_MARGIN < 1.0
+    first = "onnxruntime-cpu-int8" if faster else "onnxruntime-cpu"
+    assert ranked[0] == first and ranked[-1] == "onnxruntime-cpu-fp16"
 
 
 @pytest.mark.parametrize("lengths", [[0, 3], [0, 0]])
