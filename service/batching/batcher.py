@@ -70,6 +70,26 @@ class Scored:
     # The executed batch's trace (None when tracing is off or nothing ran).
     batch_trace: BatchTrace | None = None
 
+    @classmethod
+    def joined(cls, runs: Sequence[Scored]) -> Scored:
+        """Engine runs of consecutive rows as one: scores in order, engine time summed, the
+        first run's engine and precision; each row's engine where they differ."""
+        first = runs[0]
+        per_row = [
+            engine
+            for run in runs
+            for engine in (run.row_engines or (run.engine,) * len(run.scores))
+        ]
+        return cls(
+            np.concatenate([run.scores for run in runs]),
+            first.engine,
+            next((run.fallback_reason for run in runs if run.fallback_reason), ""),
+            sum(run.engine_s for run in runs),
+            first.precision,
+            tuple(per_row) if len(set(per_row)) > 1 else (),
+            batch_rows=sum(run.batch_rows for run in runs),
+        )
+
     def row_engine(self, row: int) -> tuple[str, str]:
         """The engine that scored `row` and why it was not the preferred one ('' if it was)."""
         if not self.row_engines:  # the whole batch ran on one engine
@@ -417,13 +437,18 @@ class MicroBatcher:
                 self._dispatch()  # more workers may be free
                 return
             try:
-                outcome: Scored | BaseException = self._run_batch(
-                    RowBatch.concat(_parts(running.jobs))
-                )
+                outcome: Scored | BaseException = self._run_parts(_parts(running.jobs))
             except Exception as exc:  # the batch fails, the loop goes on
                 outcome = exc
             self._finish(token, outcome, time.monotonic_ns())
             return
+
+    def _run_parts(self, parts: Sequence[RowBatch]) -> Scored:
+        """One engine run of the parts joined; a job of rows against one history (run alone)
+        has each part run as it is, one after another, and their scores joined in order."""
+        if len(parts) == 1 or not any(p.shares_history for p in parts):
+            return self._run_batch(RowBatch.concat(parts))
+        return Scored.joined([self._run_batch(part) for part in parts])
 
     def _start_next(self) -> tuple[int, _Running | None]:
         """Take the next batch off the heap and record it as running (None: nothing to take)."""
@@ -467,7 +492,7 @@ class MicroBatcher:
                 return
             token, batches = item
             try:
-                outcome: Scored | BaseException = self._run_batch(RowBatch.concat(batches))
+                outcome: Scored | BaseException = self._run_parts(batches)
             except BaseException as exc:  # handed to the event loop, which fails the batch
                 outcome = exc
             try:

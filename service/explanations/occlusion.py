@@ -6,7 +6,7 @@ for the history group, the history emptied). The batcher keeps a block together,
 explanation is one engine call under the request's deadline. Where the model broadcasts its
 history (`history.broadcast` in the manifest), the rows that keep the request's history are sent
 against that one history, so the engine computes it once rather than once per row, and the rows
-that empty it go as a second, small block under the same deadline. A code's contribution is
+that empty it are a second part of the same job, run right after. A code's contribution is
 ``logit(score) - logit(score of its occluded row)``: how much higher, in log-odds, the score is
 with the features as they are than with them at their baselines. docs/explanations.md says what
 that does and does not mean.
@@ -14,7 +14,6 @@ that does and does not mean.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 from collections.abc import Awaitable, Callable, Sequence
@@ -50,7 +49,7 @@ __all__ = [
     "score_explained",
 ]
 
-Submit = Callable[[RowBatch, float], Awaitable[Scored]]
+Submit = Callable[[RowBatch | Sequence[RowBatch], float], Awaitable[Scored]]
 
 
 class Explainer(Occlusion):
@@ -75,9 +74,10 @@ class Explainer(Occlusion):
         )
 
     def blocks(self, rows: RowBatch) -> tuple[RowBatch, ...]:
-        """What to score for the one-row `rows`: `block`, or where the model broadcasts its
-        history, the row and the codes that keep its history against that one history, then
-        (if any code empties it) those codes' rows with an empty history.
+        """What to score for the one-row `rows`, as the parts of one batcher job: `block`, or
+        where the model broadcasts its history, the row and the codes that keep its history
+        against that one history, then (if any code empties it) those codes' rows with an empty
+        history (the batcher runs such a job alone, each part as it is).
         `block_scores` puts their scores back in `block` order."""
         if not self._broadcast or rows.history is None or rows.mask is None:
             return (self.block(rows),)
@@ -96,16 +96,17 @@ class Explainer(Occlusion):
         )
         return shared, empty
 
-    def block_scores(self, scores: Sequence[np.ndarray]) -> np.ndarray:
-        """The scores of `blocks`' rows, in `block` order: the row, then one per code."""
-        if len(scores) == 1:
-            return scores[0]
-        shared = scores[0]
-        out = np.empty(self.block_rows, dtype=shared.dtype)
-        out[0] = shared[0]
+    def block_scores(self, scores: np.ndarray) -> np.ndarray:
+        """The scores of `blocks`' rows (in their order), in `block` order: the row, then one
+        per code."""
+        if not self._broadcast or self._keeps.all():
+            return scores
+        kept = 1 + int(self._keeps.sum())
+        out = np.empty(self.block_rows, dtype=scores.dtype)
+        out[0] = scores[0]
         by_code = out[1:]
-        by_code[self._keeps] = shared[1:]
-        by_code[~self._keeps] = scores[1]
+        by_code[self._keeps] = scores[1:kept]
+        by_code[~self._keeps] = scores[kept:]
         return out
 
 
@@ -188,14 +189,10 @@ async def score_explained(
 async def _score_blocks(
     submit: Submit, explainer: Explainer, rows: RowBatch, deadline: float
 ) -> tuple[Scored, np.ndarray]:
-    """The first block's Scored (the request's own row is its first) and the scores of every
-    occlusion row in `Explainer.block` order. Several blocks are queued together."""
-    blocks = explainer.blocks(rows)
-    if len(blocks) == 1:
-        scored = await submit(blocks[0], deadline)
-        return scored, scored.scores
-    results = await asyncio.gather(*(submit(block, deadline) for block in blocks))
-    return results[0], explainer.block_scores([r.scores for r in results])
+    """The job's Scored (the request's own row is its first) and the scores of every
+    occlusion row in `Explainer.block` order."""
+    scored = await submit(explainer.blocks(rows), deadline)
+    return scored, explainer.block_scores(scored.scores)
 
 
 def check_batch(request: pb.ScoreBatchRequest) -> None:

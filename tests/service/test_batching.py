@@ -274,6 +274,36 @@ def test_rows_against_one_history_run_as_a_batch_of_their_own():
     assert scores == [[0.0], [0.0], [1.0], [0.0, 1.0, 2.0], [0.0], [1.0]]
 
 
+def test_the_parts_of_a_job_against_one_history_run_each_as_they_are():
+    """An explained block's rows against one history and its rows with the history emptied:
+    one job, run alone, each part an engine run of its own shape, the scores joined in order."""
+    shapes: list[tuple[int, int, int]] = []
+
+    def run(rows: RowBatch) -> Scored:
+        shapes.append((rows.rows, int(rows.history.shape[0]), rows.history_length))
+        offset = 10.0 * len(shapes)
+        return Scored(offset + np.arange(rows.rows, dtype=np.float32), "fake", "", 0.001)
+
+    shared = RowBatch(
+        np.zeros((3, 4), np.float32), np.ones((1, 8, 3), np.float32), np.ones((1, 8), np.float32)
+    )
+    emptied = RowBatch(
+        np.zeros((2, 4), np.float32), np.zeros((2, 1, 3), np.float32), np.zeros((2, 1), np.float32)
+    )
+
+    async def scenario() -> Scored:
+        batcher = MicroBatcher(run, max_batch_rows=16, max_queue_rows=64, workers=1)
+        batcher.start()
+        scored = await batcher.submit([shared, emptied], time.monotonic() + 5)
+        await batcher.close(1.0)
+        return scored
+
+    scored = asyncio.run(scenario())
+    assert shapes == [(3, 1, 8), (2, 2, 1)]
+    assert scored.scores.tolist() == [10.0, 11.0, 12.0, 20.0, 21.0]
+    assert scored.batch_rows == 5 and scored.engine_s == pytest.approx(0.002)
+
+
 def test_calls_beyond_the_admission_limit_are_refused_at_once(seq_models):
     """More scoring calls in progress than the limit: the excess is RESOURCE_EXHAUSTED, named as
     such, and every call admitted is still scored."""

@@ -52,6 +52,28 @@ def test_block_occludes_each_code_jointly():
     assert (block.history[:3] == _row().history).all()
 
 
+@pytest.mark.parametrize("history_code", ["R3", "A0"])
+def test_blocks_against_one_history_are_the_block_in_another_order(history_code):
+    """With `history.broadcast`, the block is sent as the row and the codes that keep the
+    history (against the one history), then the codes that empty it; `block_scores` maps the
+    scores of those rows back to the block's order, wherever the history's code falls."""
+    data = MANIFEST.model_dump()
+    data["history"]["broadcast"] = True
+    data["explanations"]["history"]["code"] = history_code
+    explainer = Explainer(Manifest.model_validate(data))
+    row = _row()
+    block = explainer.block(row)
+    shared, emptied = explainer.blocks(row)
+    assert shared.shares_history and shared.rows == 3 and shared.history is row.history
+    assert emptied.rows == 1 and emptied.mask is not None and not emptied.mask.any()
+    joined = np.concatenate([shared.features, emptied.features])
+    order = explainer.block_scores(np.arange(joined.shape[0], dtype=np.float64)).astype(int)
+    assert joined[order].tolist() == block.features.tolist()
+    # Which rows carry the history, in block order: every one but the history code's.
+    carries = np.concatenate([np.ones(shared.rows, bool), np.zeros(emptied.rows, bool)])[order]
+    assert carries.tolist() == [bool(m.any()) for m in block.mask]
+
+
 def _logistic(logits: list[float]) -> np.ndarray:
     return (1 / (1 + np.exp(-np.array(logits)))).astype(np.float32)
 

@@ -194,9 +194,9 @@ def test_history_group_contribution_is_its_mean_term(stub, models, seed, model):
     for reason in reply.reasons:
         if reason.code == "H":
             assert list(reason.features) == ["history"]
-    # seq-explained: the row and codes X, Y, H in one block; seq-shared: the row, X and Y
-    # against the one history (H's row, with the history emptied, is scored apart).
-    assert reply.timings.batch_size == (4 if model == "seq-explained" else 3)
+    # The row and codes X, Y, H: one batch (seq-shared: the row, X and Y against the one
+    # history, then H's row with the history emptied, in the same job).
+    assert reply.timings.batch_size == 4
 
 
 def _demo_request(data, i: int, **explain) -> pb.ScoreRequest:
@@ -251,21 +251,16 @@ def test_demo_adverse_mode_explains_review_and_decline_only(stub, demo_data):
     assert {"APPROVE", "REVIEW"} <= seen or {"APPROVE", "DECLINE"} <= seen
 
 
-def test_demo_block_is_one_batch_against_one_history(stub, demo_data):
-    """Always-mode: the demo broadcasts its history, so the row and the 13 codes that keep the
-    history are one engine call of 14 rows against one history; the history code's row, with
-    the history emptied, runs apart."""
+def test_demo_block_is_one_batch_of_fifteen_rows(stub, demo_data):
+    """Always-mode: the row and one row per code (14 codes) in one batch, alone: the demo
+    broadcasts its history, so the row and the 13 codes that keep it run against one history,
+    then the history code's row with the history emptied."""
     reply = stub.Score(
         _demo_request(demo_data, 1, explain_top_k=14, explain_when=pb.EXPLAIN_ALWAYS), timeout=10
     )
-    assert reply.timings.batch_size == 14
+    assert reply.timings.batch_size == 15
     plain = stub.Score(_demo_request(demo_data, 1), timeout=10)
     assert abs(plain.score - reply.score) <= 1e-5
-    repeated = stub.Score(
-        _demo_request(demo_data, 1, explain_top_k=14, explain_when=pb.EXPLAIN_ALWAYS),
-        timeout=10,
-    )
-    assert repeated.timings.batch_size == 14  # the same request: the same shape of call
 
 
 def test_demo_reasons_against_one_history_equal_those_of_repeated_histories(stub, demo_data):
