@@ -6,12 +6,19 @@ Configurations, each on a fresh `riskserve serve` of the demo model, in turn:
 - ``explained``: every request asks for 3 reasons (EXPLAIN_ALWAYS) under the demo manifest's
   14 codes (13 feature groups and the history): a block of 15 rows per request;
 - ``explained-33``: the same with one code per feature (31) plus the history: 33 rows a request;
+- ``explained-33-repeated``: ``explained-33`` with the manifest's ``history.broadcast`` off, so
+  every occlusion row carries its own copy of the history (as for a model that cannot broadcast);
 - ``adverse``: every request asks for 3 reasons with EXPLAIN_ADVERSE (the server's default mode):
   the row is scored alone, and only REVIEW and DECLINE decisions send the 15-row block;
 - ``mixed``: unexplained requests at ``--rate`` and, at the same time, explained ones (15 rows)
-  at ``--mix-rate``; the unexplained requests' p99 is compared with ``plain``'s;
+  at ``--mix-rate``;
+- ``mixed-plain``: the control for ``mixed``: the same two streams, the second unexplained too,
+  so the unexplained requests' p99 beside explained ones is compared with their p99 beside as
+  many unexplained ones (the same load in requests, without the explanations);
 - ``plain-w2``, ``mixed-w2`` and ``explained-33-w2``: the same with two engine workers
-  (RISKSERVE_ENGINE_WORKERS=2), so a single row can run beside a block instead of behind it.
+  (RISKSERVE_ENGINE_WORKERS=2), so a single row can run beside a block instead of behind it;
+- ``mixed-thread`` and ``mixed-plain-thread``: ``mixed`` and its control with every batch run on
+  an engine thread (RISKSERVE_ENGINE_INLINE_MAX_US=0) instead of short ones on the event loop.
 
 Load: open-loop Poisson arrivals from one client process on the same machine, latency from each
 request's scheduled send time (a client that falls behind shows as latency). Requests carry a
@@ -23,8 +30,9 @@ the timed load, divided by the requests sent in it.
 
 `--instructions N` instead counts, with valgrind's callgrind, the instructions one `riskserve
 serve` process executes per request over N sequential requests of each kind (plain, explained
-with the demo's codes, explained with one code per feature, adverse mode): server work in a
-figure that other load on the machine does not change.
+with the demo's codes, explained with one code per feature with and without the history
+broadcast, adverse mode), ONNX Runtime FP32 serving them all: server work in a figure that other
+load on the machine does not change.
 
     .venv/bin/python -m bench.explain --instructions 100
 """
@@ -61,31 +69,43 @@ class Config:
     plain: bool  # unexplained requests at --rate
     explained: str  # "", or the explained requests' mode (at --rate, or --mix-rate beside plain)
     env: tuple[tuple[str, str], ...] = ()
+    extra_plain: bool = False  # a second unexplained stream at --mix-rate (mixed's control)
+    broadcast: bool = True  # the demo manifest's history.broadcast; False: histories repeated
+
+    @property
+    def mixed(self) -> bool:
+        return self.plain and (bool(self.explained) or self.extra_plain)
 
 
+_THREAD = (("RISKSERVE_ENGINE_INLINE_MAX_US", "0"),)
 CONFIGS = {
     "plain": Config(per_feature=False, plain=True, explained=""),
     "explained": Config(per_feature=False, plain=False, explained="always"),
     "explained-33": Config(per_feature=True, plain=False, explained="always"),
+    "explained-33-repeated": Config(True, False, "always", broadcast=False),
     "adverse": Config(per_feature=False, plain=False, explained="adverse"),
     "mixed": Config(per_feature=False, plain=True, explained="always"),
+    "mixed-plain": Config(per_feature=False, plain=True, explained="", extra_plain=True),
     "plain-w2": Config(False, True, "", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
     "mixed-w2": Config(False, True, "always", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
     "explained-33-w2": Config(True, False, "always", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
+    "mixed-thread": Config(False, True, "always", _THREAD),
+    "mixed-plain-thread": Config(False, True, "", _THREAD, extra_plain=True),
 }
 WHEN = {"always": pb.EXPLAIN_ALWAYS, "adverse": pb.EXPLAIN_ADVERSE}
 
 
-def _models(root: Path, per_feature: bool) -> Path:
+def _models(root: Path, per_feature: bool, broadcast: bool = True) -> Path:
     target = root / "fraud-demo" / "1"
     shutil.copytree(DEMO, target)
+    path = target / "manifest.json"
+    manifest = json.loads(path.read_text())
     if per_feature:
-        path = target / "manifest.json"
-        manifest = json.loads(path.read_text())
         features = manifest["explanations"]["features"]
         for i, name in enumerate(manifest["features"]):
             features[name] |= {"code": f"F{i:02d}", "text": name}
-        path.write_text(json.dumps(manifest))
+    manifest["history"]["broadcast"] = broadcast
+    path.write_text(json.dumps(manifest))
     return root
 
 
@@ -113,7 +133,7 @@ def _spec(name: str, models_dir: Path, env: dict[str, str]) -> ServerSpec:
 
 def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, list[bytes]]):
     config = CONFIGS[name]
-    root = _models(tmp / name, config.per_feature)
+    root = _models(tmp / name, config.per_feature, config.broadcast)
     spec = _spec(name, root, dict(config.env))
     streams: dict[str, ScoreStream] = {}
     if config.plain:
@@ -122,6 +142,8 @@ def _run(name: str, args: argparse.Namespace, tmp: Path, payloads: dict[str, lis
         rate = args.mix_rate if config.plain else args.rate
         explained = payloads[config.explained]
         streams["explained"] = ScoreStream.poisson(explained, rate, args.duration_s, 12)
+    if config.extra_plain:
+        streams["extra"] = ScoreStream.poisson(payloads[""], args.mix_rate, args.duration_s, 12)
     log = REPO / "bench" / "results" / f"explain_{spec.grpc_port}.log"
     with ServerProcess(spec, log) as server:
         before: list[float] = []
@@ -160,6 +182,7 @@ KINDS = {  # kind -> (model, explain mode)
     "plain": ("fraud-demo", ""),
     "explained": ("fraud-demo", "always"),
     "explained-33": ("fraud-demo-each", "always"),
+    "explained-33-repeated": ("fraud-demo-repeated", "always"),
     "adverse": ("fraud-demo", "adverse"),
 }
 
@@ -173,14 +196,21 @@ def _named(payload: bytes, model: str) -> bytes:
 def count_instructions(requests: int, max_history: int, tmp: Path) -> int:
     """Callgrind's instruction count per request of each kind, in one server process."""
     root = _models(tmp / "counted", per_feature=False)
-    each = _models(tmp / "each", per_feature=True) / "fraud-demo"
-    manifest = json.loads((each / "1" / "manifest.json").read_text())
-    (each / "1" / "manifest.json").write_text(json.dumps(manifest | {"name": "fraud-demo-each"}))
-    shutil.move(each, root / "fraud-demo-each")
+    for name, broadcast in (("fraud-demo-each", True), ("fraud-demo-repeated", False)):
+        folder = _models(tmp / name, per_feature=True, broadcast=broadcast) / "fraud-demo"
+        manifest = json.loads((folder / "1" / "manifest.json").read_text())
+        (folder / "1" / "manifest.json").write_text(json.dumps(manifest | {"name": name}))
+        shutil.move(folder, root / name)
     spec = _spec(
         "riskserve-callgrind",
         root,
-        {"RISKSERVE_BUDGET_MS": "60000", "RISKSERVE_WARMUP_ITERATIONS": "1"},
+        {
+            "RISKSERVE_BUDGET_MS": "60000",
+            "RISKSERVE_WARMUP_ITERATIONS": "1",
+            # One engine (ONNX Runtime FP32) for every kind: with variants on, each model picks
+            # the engine it timed fastest at load, and under callgrind that choice is noise.
+            "RISKSERVE_ONNX_VARIANTS": "false",
+        },
     )
     out_file = REPO / "bench" / "results" / "callgrind" / f"explain-{spec.grpc_port}.out"
     spec = callgrind.under_callgrind(spec, out_file)
@@ -203,7 +233,7 @@ def count_instructions(requests: int, max_history: int, tmp: Path) -> int:
             totals[kind] = callgrind.total(dumps[-1])
         server.stop(grace_s=callgrind.STOP_GRACE_S)
     print(f"\ncallgrind, one server process, {requests} sequential Score requests of each kind, "
-          f"history <= {max_history} rows")  # fmt: skip
+          f"history <= {max_history} rows, ONNX Runtime FP32")  # fmt: skip
     print("| kind | with reasons | M instructions / request | against plain |")
     print("| --- | --- | --- | --- |")
     for kind, total in totals.items():
@@ -243,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nScore on fraud-demo, history <= {args.max_history} rows, {args.duration_s:g} s a run, "
         f"open loop; explained = {TOP_K} reasons, EXPLAIN_ALWAYS (adverse: EXPLAIN_ADVERSE); "
-        f"mixed = plain at {args.rate:g} + explained at {args.mix_rate:g} req/s"
+        f"mixed = plain at {args.rate:g} + explained at {args.mix_rate:g} req/s "
+        f"(mixed-plain: + plain at {args.mix_rate:g}, kind 'extra')"
     )
     runs_column = args.repeats > 1
     print(
@@ -252,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|" + ("---:|" if runs_column else "") + "---|" + "---:|" * 7)
     for r in runs:
-        mixed = CONFIGS[r["config"]].plain and CONFIGS[r["config"]].explained
-        rate = args.mix_rate if mixed and r["kind"] == "explained" else args.rate
+        mixed = CONFIGS[r["config"]].mixed
+        rate = args.mix_rate if mixed and r["kind"] in ("explained", "extra") else args.rate
         cpu = f"{r['cpu_ms_per_request']:.2f}" + (" (both)" if mixed else "")
         run = f" {r['repeat']} |" if runs_column else ""
         print(
