@@ -8,7 +8,9 @@ as JSON under bench/results/, and draw latency against achieved throughput as a 
 Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH_SIZE=1),
 ``triton``, ``mlserver``; also, on request, ``riskserve-notrace`` (RISKSERVE_TRACING=false),
 ``riskserve-2proc`` (two server processes on one port), ``riskserve-threaded`` (every batch on an
-engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0) and ``grpc-floor``: one grpc.aio server
+engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
+``riskserve-threaded-si500`` (the same with RISKSERVE_SWITCH_INTERVAL_US=500) and
+``grpc-floor``: one grpc.aio server
 process that answers ModelInfer with zeros and does no other work (bench.rpc_floor), so a run
 shows how much of a peer's lead a Python gRPC server gives away before it does any work.
 Clients: ``loadgen`` (Python, open-loop Poisson and closed loop) or ``perf_analyzer`` (C++,
@@ -119,8 +121,10 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         env["RISKSERVE_TRACING"] = "false"
     if name == "riskserve-2proc":
         env["RISKSERVE_PROCESSES"] = "2"
-    if name == "riskserve-threaded":
+    if name.startswith("riskserve-threaded"):
         env["RISKSERVE_ENGINE_INLINE_MAX_US"] = "0"
+    if name.endswith("-si500"):
+        env["RISKSERVE_SWITCH_INTERVAL_US"] = "500"
     return ServerSpec(
         name=name,
         argv=(str(RISKSERVE_BIN), "serve", "--port", str(port)),

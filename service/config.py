@@ -71,6 +71,13 @@ class Settings(BaseSettings):
     engine_workers: int = Field(
         0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."
     )
+    switch_interval_us: int = Field(
+        0,
+        ge=0,
+        description="The interpreter's thread switch interval (sys.setswitchinterval): how long "
+        "a thread that finished its engine run may wait for the busy event loop to let it "
+        "report back; 0 = Python's default (5,000 µs).",
+    )
     processes: int = Field(
         1,
         ge=1,

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -303,6 +304,9 @@ def _run_child(settings: Settings) -> None:
 
 async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
     """Run until SIGTERM or SIGINT, then drain gracefully."""
+    if settings.switch_interval_us:
+        sys.setswitchinterval(settings.switch_interval_us / 1e6)
+        log.info("thread switch interval %.0f µs", sys.getswitchinterval() * 1e6)
     running = await build_server(settings)
     print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
     stop = asyncio.Event()

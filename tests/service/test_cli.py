@@ -221,3 +221,13 @@ def test_serve_on_a_taken_port_says_which_in_one_line(taken_port, tmp_path):
     assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith(f"riskserve serve: cannot listen on 127.0.0.1:{taken_port}: "), last
+
+
+def test_serve_sets_the_thread_switch_interval(models_root):
+    from liveserver import server_process
+
+    output: list[str] = []
+    settings = {"RISKSERVE_SWITCH_INTERVAL_US": "500", "RISKSERVE_DEFAULT_MODEL": "credit-lite"}
+    with server_process(models_root, output=output, **settings):
+        pass
+    assert any("thread switch interval 500 µs" in line for line in output), "".join(output)
