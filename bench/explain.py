@@ -18,7 +18,9 @@ Configurations, each on a fresh `riskserve serve` of the demo model, in turn:
 - ``plain-w2``, ``mixed-w2`` and ``explained-33-w2``: the same with two engine workers
   (RISKSERVE_ENGINE_WORKERS=2), so a single row can run beside a block instead of behind it;
 - ``mixed-thread`` and ``mixed-plain-thread``: ``mixed`` and its control with every batch run on
-  an engine thread (RISKSERVE_ENGINE_INLINE_MAX_US=0) instead of short ones on the event loop.
+  an engine thread (RISKSERVE_ENGINE_INLINE_MAX_US=0) instead of short ones on the event loop;
+  ``-thread-si500`` the same with a 500 µs thread switch interval
+  (RISKSERVE_SWITCH_INTERVAL_US=500), and ``explained-33-thread-si500`` ``explained-33`` so.
 
 Load: open-loop Poisson arrivals from one client process on the same machine, latency from each
 request's scheduled send time (a client that falls behind shows as latency). Requests carry a
@@ -78,6 +80,7 @@ class Config:
 
 
 _THREAD = (("RISKSERVE_ENGINE_INLINE_MAX_US", "0"),)
+_THREAD_SI = (*_THREAD, ("RISKSERVE_SWITCH_INTERVAL_US", "500"))
 CONFIGS = {
     "plain": Config(per_feature=False, plain=True, explained=""),
     "explained": Config(per_feature=False, plain=False, explained="always"),
@@ -91,6 +94,9 @@ CONFIGS = {
     "explained-33-w2": Config(True, False, "always", (("RISKSERVE_ENGINE_WORKERS", "2"),)),
     "mixed-thread": Config(False, True, "always", _THREAD),
     "mixed-plain-thread": Config(False, True, "", _THREAD, extra_plain=True),
+    "mixed-thread-si500": Config(False, True, "always", _THREAD_SI),
+    "mixed-plain-thread-si500": Config(False, True, "", _THREAD_SI, extra_plain=True),
+    "explained-33-thread-si500": Config(True, False, "always", _THREAD_SI),
 }
 WHEN = {"always": pb.EXPLAIN_ALWAYS, "adverse": pb.EXPLAIN_ADVERSE}
 
