@@ -37,6 +37,7 @@ __all__ = [
     "EngineHealth",
     "EnginePool",
     "PoolResult",
+    "rank_engines",
 ]
 
 Arrays = Mapping[str, np.ndarray]

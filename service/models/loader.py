@@ -202,11 +202,11 @@ def _check_broadcast(path: Path, manifest: Manifest, engine: Engine) -> None:
         spec.mask_input: np.repeat(mask, _PROBE_ROWS, axis=0),
     }
     problem = f"{path}: the manifest declares history.broadcast, but engine {engine.name}"
+    want = np.asarray(engine.infer(repeated)[manifest.output], dtype=np.float64)
     try:
         got = np.asarray(engine.infer(shared)[manifest.output], dtype=np.float64)
     except Exception as exc:
         raise Unavailable(f"{problem} fails on a history batch of 1: {exc}") from exc
-    want = np.asarray(engine.infer(repeated)[manifest.output], dtype=np.float64)
     if got.shape != want.shape or not np.allclose(
         got, want, rtol=_PROBE_TOLERANCE, atol=_PROBE_TOLERANCE
     ):
