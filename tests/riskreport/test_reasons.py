@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pyarrow.parquet as pq
 import pytest
 from liveserver import experiment_server
-from modelkit import write_sequence_model
+from modelkit import sequence_request, write_sequence_model
 from waiting import wait_until
 
 from riskreport import build_report, render_html, render_summary
@@ -48,15 +48,7 @@ def models(tmp_path: Path) -> Path:
 
 
 def request(i: int, when: int, top_k: int = 3) -> pb.ScoreRequest:
-    rng = np.random.default_rng(i)
-    return pb.ScoreRequest(
-        request_id=f"q{i}",
-        entity_id=f"acct-{i % 30}",
-        features={f"x{j}": float(v) for j, v in enumerate(rng.normal(size=4))},
-        history=[pb.HistoryRow(values=rng.normal(size=3).tolist()) for _ in range(1 + i % 5)],
-        explain_top_k=top_k,
-        explain_when=when,
-    )
+    return sequence_request(i, 30, explain_top_k=top_k, explain_when=when)
 
 
 def expected_codes(model_dir: Path, req: pb.ScoreRequest) -> tuple[float, tuple[str, ...]]:

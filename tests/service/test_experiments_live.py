@@ -14,7 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from liveserver import LiveServer, server_process
-from modelkit import write_sequence_model
+from modelkit import sequence_request, write_sequence_model
 from scrape import scraped_total
 from waiting import wait_until
 
@@ -25,13 +25,7 @@ from service.shadow.log import read_spool
 
 
 def request(i: int) -> pb.ScoreRequest:
-    rng = np.random.default_rng(i)
-    return pb.ScoreRequest(
-        request_id=f"q{i}",
-        entity_id=f"acct-{i % 40}",
-        features={f"x{j}": float(v) for j, v in enumerate(rng.normal(size=4))},
-        history=[pb.HistoryRow(values=rng.normal(size=3).tolist()) for _ in range(1 + i % 5)],
-    )
+    return sequence_request(i, 40)
 
 
 def direct(model_dir, req: pb.ScoreRequest) -> float:

@@ -9,6 +9,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from riskscoring.v1 import risk_scoring_pb2 as pb
+
 
 def _save(model: onnx.ModelProto, folder: Path, manifest: dict) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -123,3 +125,17 @@ def write_sequence_model(
         "max_batch_size": 64,
     }
     return _save(model, root / name / version, manifest)
+
+
+def sequence_request(i: int, entities: int, **fields: object) -> pb.ScoreRequest:
+    """A Score request for `write_sequence_model`'s default shape (features x0..x3, history rows
+    of 3 values), drawn from seed `i`: entity `acct-{i % entities}`, 1 to 5 history rows;
+    `fields` sets further ScoreRequest fields."""
+    rng = np.random.default_rng(i)
+    return pb.ScoreRequest(
+        request_id=f"q{i}",
+        entity_id=f"acct-{i % entities}",
+        features={f"x{j}": float(v) for j, v in enumerate(rng.normal(size=4))},
+        history=[pb.HistoryRow(values=rng.normal(size=3).tolist()) for _ in range(1 + i % 5)],
+        **fields,
+    )
