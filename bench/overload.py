@@ -11,7 +11,9 @@ least 80 % of the best rate within the budget, their p99 within the budget, SERV
     .venv/bin/python -m bench.overload --callers 64 --duration-s 10
 
 The callers are Python on the same cores as the server, as a decision system's clients would not
-be; what they take from the server shows as a lower rate.
+be; what they take from the server shows as a lower rate. `--max-concurrent-streams N` serves
+with at most N calls open on each client connection (HTTP/2's SETTINGS_MAX_CONCURRENT_STREAMS):
+a client holds its calls beyond that itself, where their deadlines still run.
 """
 
 from __future__ import annotations
@@ -116,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-ms", type=float, default=10.0)
     parser.add_argument("--client-procs", type=int, default=2)
     parser.add_argument("--processes", default="1", help="RISKSERVE_PROCESSES for the server")
+    parser.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=None,
+        help="RISKSERVE_MAX_CONCURRENT_STREAMS for the server (default: the server's own)",
+    )
     args = parser.parse_args(argv)
     port = free_port()
     env = {
@@ -124,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         "RISKSERVE_TRACE_FILE": "none",
         "RISKSERVE_PROCESSES": args.processes,
     }
+    if args.max_concurrent_streams is not None:
+        env["RISKSERVE_MAX_CONCURRENT_STREAMS"] = str(args.max_concurrent_streams)
     spec = ServerSpec(
         "riskserve",
         (str(RISKSERVE), "serve", "--port", str(port)),
@@ -135,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(
         f"{args.callers} callers in a tight loop, {args.client_procs} client processes, "
-        f"{args.duration_s:g} s a mode; server processes {args.processes}; load average {load}"
+        f"{args.duration_s:g} s a mode; server processes {args.processes}; "
+        f"streams a connection {args.max_concurrent_streams or 'default'}; load average {load}"
     )
     rows = []
     with ServerProcess(spec, REPO / "bench" / "results" / "overload-server.log") as server:
