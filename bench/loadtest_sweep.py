@@ -4,7 +4,8 @@ For each server configuration (one process, or one per core) a riskserve server 
 127.0.0.1 with its defaults (tracing and metrics on), then locust runs the load test's own mix
 (loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8, long histories,
 ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the same machine. Per
-rate it prints what locust measured (requests, failures, p50, p99), the server's CPU per
+rate it prints what locust measured (requests, failures, p50, p99), the server's own p50 and p99
+(the bounds of the buckets of its request-duration histogram they fall in), its CPU per
 request (its whole process group, from /proc) and its shed count, and at the end the highest
 offered rate with no failures and a locust p99 within the budget: the figure the README's
 load-test default and claims come from.
@@ -28,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +50,10 @@ class Point:
     p99_ms: float
     server_cpu_us_per_request: float
     shed: float
+    # The server's own request time (its request-duration histogram, every method): the bucket
+    # bound the p50 and p99 fall within.
+    server_p50_ms: float = math.nan
+    server_p99_ms: float = math.nan
 
     @property
     def clean(self) -> bool:
@@ -128,6 +135,33 @@ def _shed_total(metrics_port: int, processes: int) -> float:
         return math.nan
 
 
+def _duration_buckets(metrics_port: int, processes: int) -> dict[float, float]:
+    """Requests so far at or under each bound (s) of the request-duration histogram, summed
+    over methods, models and processes."""
+    counts: dict[float, float] = {}
+    try:
+        for i in range(processes):
+            text = scrape_metrics(metrics_port + i)
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name == "riskserve_request_duration_seconds_bucket":
+                        bound = float(sample.labels["le"])
+                        counts[bound] = counts.get(bound, 0.0) + sample.value
+    except Exception:  # a slow scrape: the point goes without the server's latency
+        return {}
+    return counts
+
+
+def _bucket_quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The bound (ms) of the first bucket holding the `q` quantile of the requests between two
+    scrapes; NaN when none were counted."""
+    cumulative = sorted((bound, after[bound] - before.get(bound, 0.0)) for bound in after)
+    total = cumulative[-1][1] if cumulative else 0.0
+    if total <= 0:
+        return math.nan
+    return next(bound for bound, count in cumulative if count >= q * total) * 1e3
+
+
 def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) -> list[Point]:
     spec, metrics_port = _spec(config, budget_ms)
     processes = _processes(config)
@@ -139,10 +173,12 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
             for rate in rates:
                 prefix = Path(tmp) / f"{config}-{rate:g}"
                 cpu_before, shed_before = server.cpu_seconds(), _shed_total(metrics_port, processes)
+                buckets_before = _duration_buckets(metrics_port, processes)
                 started = time.monotonic()
                 _locust(server.target, rate, duration_s, prefix)
                 elapsed_s = time.monotonic() - started
                 cpu_s = server.cpu_seconds() - cpu_before
+                buckets = _duration_buckets(metrics_port, processes)
                 row = _aggregated(prefix)
                 requests = int(_number(row, "Request Count"))
                 point = Point(
@@ -155,6 +191,8 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
                     _number(row, "99%"),
                     cpu_s * 1e6 / requests if requests else math.nan,
                     _shed_total(metrics_port, processes) - shed_before,
+                    _bucket_quantile_ms(buckets_before, buckets, 0.50),
+                    _bucket_quantile_ms(buckets_before, buckets, 0.99),
                 )
                 points.append(point)
                 print(_line(point), f"({elapsed_s:.0f} s)", flush=True)
@@ -165,8 +203,8 @@ def _line(p: Point) -> str:
     return (
         f"  {p.config:<12} offered {p.offered_rps:>6g}/s  got {p.achieved_rps:>7.1f}/s  "
         f"failures {p.failures:>5} of {p.requests:>6}  p50 {p.p50_ms:>5g} ms  "
-        f"p99 {p.p99_ms:>5g} ms  server {p.server_cpu_us_per_request:>5.0f} us CPU/req  "
-        f"shed {p.shed:g}"
+        f"p99 {p.p99_ms:>5g} ms  server p50 <= {p.server_p50_ms:g} ms, p99 <= "
+        f"{p.server_p99_ms:g} ms, {p.server_cpu_us_per_request:>5.0f} us CPU/req  shed {p.shed:g}"
     )
 
 
@@ -174,13 +212,14 @@ def report(points: list[Point], budget_ms: float) -> None:
     print()
     print(
         "| server | offered req/s | failures | locust p50 ms | locust p99 ms "
-        "| server CPU / request |"
+        "| server p50 / p99 ms (bucket bound) | server CPU / request |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for p in points:
         print(
             f"| {p.config} | {p.offered_rps:g} | {p.failures:,} of {p.requests:,} | {p.p50_ms:g} | "
-            f"{p.p99_ms:g} | {p.server_cpu_us_per_request:,.0f} µs |"
+            f"{p.p99_ms:g} | ≤ {p.server_p50_ms:g} / ≤ {p.server_p99_ms:g} | "
+            f"{p.server_cpu_us_per_request:,.0f} µs |"
         )
     print()
     for config in dict.fromkeys(p.config for p in points):
