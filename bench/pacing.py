@@ -1,13 +1,13 @@
 """One caller at a time, with a pause between calls: what an idle machine adds to a round trip.
 
-A light load reaches a server whose threads have gone idle between requests, and on a virtual
-machine waking them costs time on every hop of the round trip (client, gRPC's core threads, the
-event loop). This benchmark isolates that: one synchronous caller sends OIP ModelInfer requests
-(batch 1, history 32) one after another, pausing `--gaps-ms` between calls (0: back to back),
-to riskserve and to the do-nothing gRPC server (`grpc-floor`, bench/rpc_floor.py) in turn. Per
-server and gap it prints the client's p50 / p90 / p99 and, for riskserve, its own mean request
-time from its metrics over the same calls. A cost both servers pay as the gap grows belongs to
-the machine and the transport, not to riskserve.
+A light load reaches a server whose threads have gone idle between requests, and each hop of
+the round trip (client, gRPC's core threads, the event loop) may then have to be woken. This
+benchmark measures what that adds: one synchronous caller sends OIP ModelInfer requests (batch
+1, history 32) one after another, pausing `--gaps-ms` between calls (0: back to back), to
+riskserve and to the do-nothing grpc.aio server (bench/rpc_floor.py) in turn. Per server and
+gap it prints the client's p50 / p90 / p99 and, for riskserve, its own mean request time over
+the same calls, from its metrics. A cost both servers pay as the gap grows belongs to the
+machine and the transport, not to riskserve.
 
     .venv/bin/python -m bench.pacing --gaps-ms 0,1,10 --calls 1500
 """
@@ -54,8 +54,15 @@ def _server_seconds(metrics_port: int) -> tuple[float, float]:
     )
 
 
-def _paced(target: str, request: oip.ModelInferRequest, calls: int, gap_s: float) -> np.ndarray:
-    """Client-side latencies in ms of `calls` sequential calls, `gap_s` apart."""
+def _paced(
+    target: str,
+    request: oip.ModelInferRequest,
+    calls: int,
+    gap_s: float,
+    metrics_port: int | None,
+) -> tuple[np.ndarray, float | None]:
+    """Client-side latencies in ms of `calls` sequential calls, `gap_s` apart, and where the
+    server has metrics on `metrics_port`, its own mean request time in ms over those calls."""
     with grpc.insecure_channel(target) as channel:
         call = channel.unary_unary(
             MODEL_INFER_METHOD,
@@ -64,6 +71,7 @@ def _paced(target: str, request: oip.ModelInferRequest, calls: int, gap_s: float
         )
         for _ in range(50):  # warm the connection and the server
             call(request, timeout=5)
+        before = _server_seconds(metrics_port) if metrics_port is not None else None
         latencies = np.empty(calls)
         for i in range(calls):
             started = time.perf_counter()
@@ -71,7 +79,12 @@ def _paced(target: str, request: oip.ModelInferRequest, calls: int, gap_s: float
             latencies[i] = time.perf_counter() - started
             if gap_s:
                 time.sleep(gap_s)
-    return latencies * 1e3
+    server_mean_ms = None
+    if before is not None and metrics_port is not None:
+        after = _server_seconds(metrics_port)
+        seconds, count = after[0] - before[0], after[1] - before[1]
+        server_mean_ms = seconds / count * 1e3 if count else None
+    return latencies * 1e3, server_mean_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,20 +101,16 @@ def main(argv: list[str] | None = None) -> int:
     print("| server | pause between calls | client p50 ms | p90 ms | p99 ms | server mean ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for spec, metrics in ((riskserve, metrics_port), (floor, None)):
-        with ServerProcess(spec, RESULTS / f"pacing-{spec.name}.log") as server:
+        with ServerProcess(spec, RESULTS / f"pacing-{spec.name.replace(' ', '-')}.log") as server:
             for gap_s in gaps_s:
-                before = _server_seconds(metrics) if metrics is not None else None
-                latencies = _paced(server.target, request, args.calls, gap_s)
-                server_mean = ""
-                if before is not None and metrics is not None:
-                    after = _server_seconds(metrics)
-                    # The warm-up calls are in the count too: the mean covers them all.
-                    seconds, count = after[0] - before[0], after[1] - before[1]
-                    server_mean = f"{seconds / count * 1e3:.2f}" if count else "n/a"
+                latencies, server_mean_ms = _paced(
+                    server.target, request, args.calls, gap_s, metrics
+                )
                 p50, p90, p99 = np.percentile(latencies, [50, 90, 99])
+                shown = "—" if server_mean_ms is None else f"{server_mean_ms:.2f}"
                 print(
                     f"| {spec.name} | {gap_s * 1e3:g} ms | {p50:.2f} | {p90:.2f} | {p99:.2f} | "
-                    f"{server_mean or '—'} |"
+                    f"{shown} |"
                 )
     return 0
 
