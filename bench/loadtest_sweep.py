@@ -123,33 +123,25 @@ def _processes(config: str) -> int:
     return int(config.split("-", 1)[0])
 
 
-def _shed_total(metrics_port: int, processes: int) -> float:
-    """Requests shed so far, over every server process (each serves metrics on its own port:
-    the first on `metrics_port`, the next one up, and so on)."""
-    try:
-        return sum(
-            metric_sum(scrape_metrics(metrics_port + i), "riskserve_shed_total")
-            for i in range(processes)
-        )
-    except Exception:  # a server without the counter yet, or a slow scrape
-        return math.nan
-
-
-def _duration_buckets(metrics_port: int, processes: int) -> dict[float, float]:
-    """Requests so far at or under each bound (s) of the request-duration histogram, summed
-    over methods, models and processes."""
-    counts: dict[float, float] = {}
+def _server_counts(metrics_port: int, processes: int) -> tuple[float, dict[float, float]]:
+    """From one scrape of every server process (each serves metrics on its own port: the first
+    on `metrics_port`, the next one up, and so on): the requests shed so far, and the requests
+    so far at or under each bound (s) of the request-duration histogram, summed over methods
+    and models. NaN and no buckets where a scrape fails (a slow server)."""
+    shed = 0.0
+    buckets: dict[float, float] = {}
     try:
         for i in range(processes):
             text = scrape_metrics(metrics_port + i)
+            shed += metric_sum(text, "riskserve_shed_total")
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
                     if sample.name == "riskserve_request_duration_seconds_bucket":
                         bound = float(sample.labels["le"])
-                        counts[bound] = counts.get(bound, 0.0) + sample.value
-    except Exception:  # a slow scrape: the point goes without the server's latency
-        return {}
-    return counts
+                        buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    except Exception:
+        return math.nan, {}
+    return shed, buckets
 
 
 def _bucket_quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float:
@@ -172,13 +164,13 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
             _locust(server.target, min(rates), 3.0, Path(tmp) / "warm")  # connect, warm caches
             for rate in rates:
                 prefix = Path(tmp) / f"{config}-{rate:g}"
-                cpu_before, shed_before = server.cpu_seconds(), _shed_total(metrics_port, processes)
-                buckets_before = _duration_buckets(metrics_port, processes)
+                cpu_before = server.cpu_seconds()
+                shed_before, buckets_before = _server_counts(metrics_port, processes)
                 started = time.monotonic()
                 _locust(server.target, rate, duration_s, prefix)
                 elapsed_s = time.monotonic() - started
                 cpu_s = server.cpu_seconds() - cpu_before
-                buckets = _duration_buckets(metrics_port, processes)
+                shed, buckets = _server_counts(metrics_port, processes)
                 row = _aggregated(prefix)
                 requests = int(_number(row, "Request Count"))
                 point = Point(
@@ -190,7 +182,7 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
                     _number(row, "50%"),
                     _number(row, "99%"),
                     cpu_s * 1e6 / requests if requests else math.nan,
-                    _shed_total(metrics_port, processes) - shed_before,
+                    shed - shed_before,
                     _bucket_quantile_ms(buckets_before, buckets, 0.50),
                     _bucket_quantile_ms(buckets_before, buckets, 0.99),
                 )
