@@ -4,10 +4,10 @@ A light load reaches a server whose threads have gone idle between requests, and
 the round trip (client, gRPC's core threads, the event loop) may then have to be woken. This
 benchmark measures what that adds: one synchronous caller sends OIP ModelInfer requests (batch
 1, history 32) one after another, pausing `--gaps-ms` between calls (0: back to back), to
-riskserve and to the do-nothing grpc.aio server (bench/rpc_floor.py) in turn. Per server and
-gap it prints the client's p50 / p90 / p99 and, for riskserve, its own mean request time over
-the same calls, from its metrics. A cost both servers pay as the gap grows belongs to the
-machine and the transport, not to riskserve.
+riskserve and to the do-nothing grpc.aio server (`grpc-floor`, bench/rpc_floor.py) in turn,
+each started as `bench.compare` starts it. Per server and gap it prints the client's p50 / p90 /
+p99 and, for riskserve, its own mean request time over the same calls, from its metrics. A cost
+both servers pay as the gap grows belongs to the machine and the transport, not to riskserve.
 
     .venv/bin/python -m bench.pacing --gaps-ms 0,1,10 --calls 1500
 """
@@ -17,32 +17,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import grpc
 import numpy as np
 
+from bench.compare import FLOOR, RESULTS_DIR, riskserve_knobs, server_spec
 from bench.model_io import make_request_arrays, read_model_io, resolve_model_path
 from bench.oip import MODEL_INFER_METHOD, build_infer_request
-from bench.rpc_floor import echo_spec
-from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
+from bench.servers import ServerProcess, metric_sum, scrape_metrics
 from inference import grpc_service_pb2 as oip
-
-REPO = Path(__file__).resolve().parents[1]
-RISKSERVE = REPO / ".venv" / "bin" / "riskserve"
-RESULTS = REPO / "bench" / "results"
-
-
-def _riskserve_spec() -> tuple[ServerSpec, int]:
-    port, metrics_port = free_port(), free_port()
-    env = {
-        "RISKSERVE_PORT": str(port),
-        "RISKSERVE_METRICS_PORT": str(metrics_port),
-        "RISKSERVE_TRACE_FILE": "none",
-        "RISKSERVE_ONNX_VARIANTS": "false",
-    }
-    argv = (str(RISKSERVE), "serve", "--port", str(port))
-    return ServerSpec("riskserve", argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
 
 
 def _server_seconds(metrics_port: int) -> tuple[float, float]:
@@ -93,15 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=1500, help="calls per server and gap")
     args = parser.parse_args(argv)
     gaps_s = [float(g) / 1e3 for g in args.gaps_ms.split(",") if g.strip()]
-    io = read_model_io(resolve_model_path(None))
+    onnx_path = resolve_model_path(None)
+    io = read_model_io(onnx_path)
     request = build_infer_request("fraud-demo", make_request_arrays(io, 32, seed=1), io.output)
-    riskserve, metrics_port = _riskserve_spec()
-    floor = echo_spec(free_port())
+    riskserve = server_spec("riskserve", onnx_path, riskserve_knobs(None))
+    floor = server_spec(FLOOR, onnx_path, riskserve_knobs(None))
+    metrics_port = int(riskserve.env["RISKSERVE_METRICS_PORT"])
     print(f"one caller, {args.calls} calls per point, ModelInfer batch 1, history 32")
     print("| server | pause between calls | client p50 ms | p90 ms | p99 ms | server mean ms |")
     print("|---|---:|---:|---:|---:|---:|")
     for spec, metrics in ((riskserve, metrics_port), (floor, None)):
-        with ServerProcess(spec, RESULTS / f"pacing-{spec.name.replace(' ', '-')}.log") as server:
+        with ServerProcess(spec, RESULTS_DIR / f"pacing-{spec.name}.log") as server:
             for gap_s in gaps_s:
                 latencies, server_mean_ms = _paced(
                     server.target, request, args.calls, gap_s, metrics
