@@ -3,17 +3,18 @@
 For each server configuration (one process, or one per core) a riskserve server is started on
 127.0.0.1 with its defaults (tracing and metrics on), then locust runs the load test's own mix
 (loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8, long histories,
-ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the same machine. Per
-rate it prints what locust measured (requests, failures, p50, p99), the server's own p50 and p99
-(the bounds of the buckets of its request-duration histogram they fall in), its CPU per
-request (its whole process group, from /proc) and its shed count, and at the end the highest
-offered rate with no failures and a locust p99 within the budget: the figure the README's
-load-test default and claims come from.
+ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the same machine, in
+`--locust-processes` locust processes (default: one per core). Per rate it prints what locust
+measured (requests, failures, p50, p99, each call timed from when its task was due), the
+server's own p50 and p99 (the bounds of the buckets of its request-duration histogram they fall
+in), its CPU per request (its whole process group, from /proc), locust's CPU per request and
+the server's shed count, and at the end the highest offered rate with no failures and a locust
+p99 within the budget: the figure the README's load-test default and claims come from.
 
     .venv/bin/python -m bench.loadtest_sweep --rates 100,200,400,600,800,1000 --duration-s 20
 
 Locust is itself Python on the same cores, so at high rates it takes CPU from the server; its
-latencies include its own scheduling.
+latencies include its own scheduling, and its CPU per request includes its start.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import csv
 import math
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,7 @@ class Point:
     # bound the p50 and p99 fall within.
     server_p50_ms: float = math.nan
     server_p99_ms: float = math.nan
+    locust_cpu_us_per_request: float = math.nan
 
     @property
     def clean(self) -> bool:
@@ -76,7 +79,10 @@ def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
     return ServerSpec(config, argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
 
 
-def _locust(target: str, rate: float, duration_s: float, prefix: Path) -> None:
+def _locust(
+    target: str, rate: float, duration_s: float, prefix: Path, processes: int, gevent: bool
+) -> float:
+    """One locust run; the CPU seconds it used (all its processes)."""
     users = max(1, round(rate / RPS_PER_USER))
     command = [
         str(LOCUST),
@@ -97,7 +103,17 @@ def _locust(target: str, rate: float, duration_s: float, prefix: Path) -> None:
         "--csv",
         str(prefix),
     ]
+    if gevent:
+        command.append("--grpc-gevent")
+    if processes > 1:
+        # Its workers talk to its master on loopback, on a port of their own.
+        port = str(free_port())
+        command += ["--processes", str(processes), "--master-bind-host", "127.0.0.1"]
+        command += ["--master-bind-port", port, "--master-port", port]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
 
 
 def _aggregated(prefix: Path) -> dict[str, str]:
@@ -154,20 +170,30 @@ def _bucket_quantile_ms(before: dict[float, float], after: dict[float, float], q
     return next(bound for bound, count in cumulative if count >= q * total) * 1e3
 
 
-def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) -> list[Point]:
+def sweep(
+    config: str,
+    rates: list[float],
+    duration_s: float,
+    budget_ms: float,
+    locust_processes: int,
+    gevent: bool,
+) -> list[Point]:
     spec, metrics_port = _spec(config, budget_ms)
     processes = _processes(config)
     points: list[Point] = []
     with tempfile.TemporaryDirectory(prefix="loadtest-sweep-") as tmp:
         log = Path(tmp) / f"{config}.log"
         with ServerProcess(spec, log) as server:
-            _locust(server.target, min(rates), 3.0, Path(tmp) / "warm")  # connect, warm caches
+            # Connect and warm caches.
+            _locust(server.target, min(rates), 3.0, Path(tmp) / "warm", locust_processes, gevent)
             for rate in rates:
                 prefix = Path(tmp) / f"{config}-{rate:g}"
                 cpu_before = server.cpu_seconds()
                 shed_before, buckets_before = _server_counts(metrics_port, processes)
                 started = time.monotonic()
-                _locust(server.target, rate, duration_s, prefix)
+                locust_cpu_s = _locust(
+                    server.target, rate, duration_s, prefix, locust_processes, gevent
+                )
                 elapsed_s = time.monotonic() - started
                 cpu_s = server.cpu_seconds() - cpu_before
                 shed, buckets = _server_counts(metrics_port, processes)
@@ -185,6 +211,7 @@ def sweep(config: str, rates: list[float], duration_s: float, budget_ms: float) 
                     shed - shed_before,
                     _bucket_quantile_ms(buckets_before, buckets, 0.50),
                     _bucket_quantile_ms(buckets_before, buckets, 0.99),
+                    locust_cpu_s * 1e6 / requests if requests else math.nan,
                 )
                 points.append(point)
                 print(_line(point), f"({elapsed_s:.0f} s)", flush=True)
@@ -196,7 +223,8 @@ def _line(p: Point) -> str:
         f"  {p.config:<12} offered {p.offered_rps:>6g}/s  got {p.achieved_rps:>7.1f}/s  "
         f"failures {p.failures:>5} of {p.requests:>6}  p50 {p.p50_ms:>5g} ms  "
         f"p99 {p.p99_ms:>5g} ms  server p50 <= {p.server_p50_ms:g} ms, p99 <= "
-        f"{p.server_p99_ms:g} ms, {p.server_cpu_us_per_request:>5.0f} us CPU/req  shed {p.shed:g}"
+        f"{p.server_p99_ms:g} ms, {p.server_cpu_us_per_request:>5.0f} us CPU/req  shed {p.shed:g}  "
+        f"locust {p.locust_cpu_us_per_request:>5.0f} us CPU/req"
     )
 
 
@@ -204,14 +232,14 @@ def report(points: list[Point], budget_ms: float) -> None:
     print()
     print(
         "| server | offered req/s | failures | locust p50 ms | locust p99 ms "
-        "| server p50 / p99 ms (bucket bound) | server CPU / request |"
+        "| server p50 / p99 ms (bucket bound) | server CPU / request | locust CPU / request |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for p in points:
         print(
             f"| {p.config} | {p.offered_rps:g} | {p.failures:,} of {p.requests:,} | {p.p50_ms:g} | "
             f"{p.p99_ms:g} | ≤ {p.server_p50_ms:g} / ≤ {p.server_p99_ms:g} | "
-            f"{p.server_cpu_us_per_request:,.0f} µs |"
+            f"{p.server_cpu_us_per_request:,.0f} µs | {p.locust_cpu_us_per_request:,.0f} µs |"
         )
     print()
     for config in dict.fromkeys(p.config for p in points):
@@ -237,16 +265,36 @@ def main(argv: list[str] | None = None) -> int:
         help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), "
         "comma-separated",
     )
+    parser.add_argument(
+        "--locust-processes",
+        type=int,
+        default=len(os.sched_getaffinity(0)) or 1,
+        help="locust processes (each one caller at a time); default one per core",
+    )
+    parser.add_argument(
+        "--locust-gevent",
+        action="store_true",
+        help="locust's users wait on their calls at once (its --grpc-gevent)",
+    )
     args = parser.parse_args(argv)
     rates = sorted(float(r) for r in args.rates.split(",") if r)
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(
         f"make loadtest's mix by locust on this machine ({os.cpu_count()} cores, load average "
-        f"{load}); {args.duration_s:g} s a rate; budget {args.budget_ms:g} ms"
+        f"{load}); {args.duration_s:g} s a rate; {args.locust_processes} locust processes"
+        f"{' in gRPC gevent mode' if args.locust_gevent else ''}; "
+        f"budget {args.budget_ms:g} ms"
     )
     points: list[Point] = []
     for config in args.configs.split(","):
-        points += sweep(config, rates, args.duration_s, args.budget_ms)
+        points += sweep(
+            config,
+            rates,
+            args.duration_s,
+            args.budget_ms,
+            args.locust_processes,
+            args.locust_gevent,
+        )
     report(points, args.budget_ms)
     return 0
 

@@ -3,6 +3,18 @@
 Every call goes through `GrpcClient.call`, which times it and fires locust's ``request`` event
 (request_type ``grpc``). A call can name the status code it expects: a request built to be
 invalid that comes back INVALID_ARGUMENT is a success, and one that comes back OK is a failure.
+
+Pacing is open loop: each user's task runs are due at a fixed interval (1 / --rps-per-user)
+whatever the calls take, and a call's latency counts from its task's due time, so a run that
+starts late because its process was busy is charged with the wait (no coordinated omission).
+
+By default unary calls block the locust process while they wait, in gRPC's C core with the GIL
+released: a process is one caller at a time, and `--processes` adds callers. `--grpc-gevent`
+turns on gRPC's gevent mode (`init_gevent`), so that a process's users wait at once, as a far
+target needs; it runs every wait on a native thread of gevent's pool and hands each answer back
+to the hub, which on a small machine costs more latency than it saves (docs/benchmarks.md, the
+load-test section, compares the two). --streaming needs it too: the shared stream's reader waits
+while the users send.
 """
 
 from __future__ import annotations
@@ -24,10 +36,6 @@ from locust.exception import StopUser
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
 
-# locust has patched the standard library by now; gRPC's C core must cooperate with gevent
-# before the first channel exists, or every call blocks the whole worker.
-grpc_gevent.init_gevent()
-
 __all__ = [
     "DEFAULT_HOST",
     "GrpcClient",
@@ -40,8 +48,12 @@ __all__ = [
 
 DEFAULT_HOST = "127.0.0.1:50051"
 _SCHEMA_TIMEOUT_S = 10.0
-# How long a streamed Score waits for its answer when the run sets no deadline.
-_STREAM_WAIT_S = 30.0
+# How long a call waits for its answer when the run sets no deadline: a unary call blocks its
+# whole process, so a server that never answers must not stop the run's clock.
+_LONGEST_WAIT_S = 10.0
+# gevent's timers fire up to about a millisecond late (its loop waits in whole milliseconds), so
+# a user wakes this much before its task is due; a run that starts early is timed from its start.
+_TIMER_SLACK_S = 0.001
 _MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
@@ -55,7 +67,7 @@ def _add_arguments(parser: Any) -> None:
         type=float,
         default=10.0,
         env_var="LOCUST_RPS_PER_USER",
-        help="Task runs per second per user (constant throughput); total rate = users x this.",
+        help="Task runs per second per user, on a fixed schedule; total rate = users x this.",
     )
     group.add_argument(
         "--deadline-ms",
@@ -78,11 +90,27 @@ def _add_arguments(parser: Any) -> None:
         help="Send the Score tasks on one ScoreStream per process that all users share.",
     )
     group.add_argument(
+        "--grpc-gevent",
+        action="store_true",
+        default=False,
+        env_var="LOCUST_GRPC_GEVENT",
+        help="Let a process's users wait on their calls at once (gRPC's gevent mode); by default "
+        "a process makes one unary call at a time. --streaming implies it.",
+    )
+    group.add_argument(
         "--tls-ca",
         default="",
         env_var="LOCUST_TLS_CA",
         help="PEM file of root certificates: connect with TLS (a grpcs:// host uses system roots).",
     )
+
+
+@events.init.add_listener
+def _cooperate_with_gevent(environment: Any, **_kwargs: Any) -> None:
+    # Before the first channel exists (users open theirs when they start).
+    options = environment.parsed_options
+    if getattr(options, "streaming", False) or getattr(options, "grpc_gevent", False):
+        grpc_gevent.init_gevent()
 
 
 class RpcStatusError(Exception):
@@ -204,7 +232,7 @@ class ScoreStreamMux:
             assert self._outbox is not None
             self._waiting[request.request_id] = (answered, slot)
             self._outbox.put(request)
-        if not answered.wait(_STREAM_WAIT_S if timeout is None else timeout):
+        if not answered.wait(_LONGEST_WAIT_S if timeout is None else timeout):
             with self._lock:
                 self._waiting.pop(request.request_id, None)
             raise StreamStatus(grpc.StatusCode.DEADLINE_EXCEEDED, "no answer within the deadline")
@@ -266,6 +294,8 @@ class GrpcClient:
     def __init__(self, environment: Any, channel: grpc.Channel, deadline_s: float | None) -> None:
         self._events = environment.events
         self._deadline_s = deadline_s
+        # When the next call was due (time.perf_counter()); its latency counts from then.
+        self.due_s: float | None = None
         self.scoring = risk_scoring_pb2_grpc.RiskScoringStub(channel)
         self.inference = grpc_service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
@@ -283,8 +313,13 @@ class GrpcClient:
         code = grpc.StatusCode.OK
         details = ""
         start_s = time.perf_counter()
+        if self.due_s is not None:
+            start_s, self.due_s = min(start_s, self.due_s), None
+        wait_s = self._deadline_s
+        if wait_s is None and not isinstance(getattr(method, "__self__", None), ScoreStreamMux):
+            wait_s = _LONGEST_WAIT_S  # the server's budget still applies: it is shorter
         try:
-            response = method(request, timeout=self._deadline_s)
+            response = method(request, timeout=wait_s)
         except grpc.RpcError as exc:
             code, details = exc.code(), exc.details() or ""
         elapsed_ms = (time.perf_counter() - start_s) * 1000.0
@@ -324,8 +359,7 @@ class GrpcUser(User):
         target, tls = parse_target(self.host or DEFAULT_HOST)
         self.channel = self._open_channel(target, tls, str(getattr(options, "tls_ca", "")))
         self.client = GrpcClient(environment, self.channel, deadline_ms / 1000.0 or None)
-        self._last_run_s = 0.0
-        self._last_wait_s = 0.0
+        self._due_s: float | None = None
 
     @staticmethod
     def _open_channel(target: str, tls: bool, ca_path: str) -> grpc.Channel:
@@ -344,13 +378,13 @@ class GrpcUser(User):
         return grpc.insecure_channel(target, options=options)
 
     def wait_time(self) -> float:
-        """Constant throughput: what locust's constant_throughput does, with the rate from
-        --rps-per-user."""
+        """Open loop at --rps-per-user: the next task run is due one interval after the last
+        one was due, however long that took; a late run starts at once, and its call's latency
+        counts from the due time."""
         now_s = time.perf_counter()
-        run_s = now_s - self._last_run_s - self._last_wait_s
-        self._last_wait_s = max(0.0, 1.0 / self.rps_per_user - run_s)
-        self._last_run_s = now_s
-        return self._last_wait_s
+        self._due_s = (now_s if self._due_s is None else self._due_s) + 1.0 / self.rps_per_user
+        self.client.due_s = self._due_s
+        return max(0.0, self._due_s - now_s - _TIMER_SLACK_S)
 
     def schema(self) -> ModelSchema:
         """The model's schema, fetched once per process and shared by all users."""

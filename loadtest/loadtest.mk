@@ -2,11 +2,15 @@
 #
 #   make loadtest                                  # its own server, the default load below
 #   make loadtest LOADTEST_USERS=50 LOADTEST_RPS_PER_USER=20 LOADTEST_TIME=120s
+#   make loadtest LOADTEST_USERS=40 LOADTEST_PROCESSES=2   # 400 req/s from two locust processes
 #   make loadtest LOADTEST_SERVER=                 # the server `make serve` runs (RISKSERVE_PORT)
 #   make loadtest LOADTEST_HOST=riskserve.example.internal:50051 LOADTEST_SERVER=
 #   make soak SOAK_MINUTES=30
 #
-# The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second. By default the
+# The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second, on a fixed
+# schedule; each call is timed from when it was due. A locust process makes one unary call at a
+# time, so above a few hundred requests a second give it LOADTEST_PROCESSES (its workers talk to
+# it on 127.0.0.1:LOADTEST_MASTER_PORT). By default the
 # load test starts its own server on LOADTEST_PORT (RISKSERVE_PORT, else 50051) and refuses
 # when something already listens there. With LOADTEST_SERVER empty no server is started and
 # LOADTEST_HOST must already be serving.
@@ -33,6 +37,8 @@ LOADTEST_USERS ?= $(LOADTEST_DEFAULT_USERS)
 LOADTEST_SPAWN_RATE ?= $(LOADTEST_USERS)
 LOADTEST_RPS_PER_USER ?= $(LOADTEST_DEFAULT_RPS_PER_USER)
 LOADTEST_TIME ?= $(LOADTEST_DEFAULT_TIME)
+LOADTEST_PROCESSES ?= 1
+LOADTEST_MASTER_PORT ?= 5557
 LOADTEST_DEADLINE_MS ?= 0
 # A PEM file of root certificates: talk TLS to LOADTEST_HOST (a grpcs:// host uses system roots).
 LOADTEST_TLS_CA ?=
@@ -49,7 +55,10 @@ SOAK_MAX_FD_GROWTH ?= 16
 
 LOADTEST_LOCUST_ARGS = -f loadtest/locustfile.py --headless --host $(LOADTEST_HOST) \
 	--deadline-ms $(LOADTEST_DEADLINE_MS) --tls-ca "$(LOADTEST_TLS_CA)" \
-	--exit-code-on-error 1 --only-summary
+	--exit-code-on-error 1 --only-summary \
+	$(if $(filter-out 1,$(LOADTEST_PROCESSES)),--processes $(LOADTEST_PROCESSES) \
+		--master-bind-host 127.0.0.1 --master-bind-port $(LOADTEST_MASTER_PORT) \
+		--master-port $(LOADTEST_MASTER_PORT))
 
 .PHONY: loadtest soak
 

@@ -111,11 +111,24 @@ def _assert_clean_mix(status: int, rows: dict[str, dict[str, str]]) -> None:
     assert status == 0
 
 
-def test_locust_mix_against_stand_in_server(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [(), ("--grpc-gevent",)], ids=["blocking", "gevent"])
+def test_locust_mix_against_stand_in_server(tmp_path: Path, mode: tuple[str, ...]) -> None:
     port = _free_port()
     command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
     with _server(command, port, tmp_path / "server.log") as target:
-        status, rows = _locust(target, tmp_path / "run", run_time_s=5)
+        status, rows = _locust(target, tmp_path / "run", run_time_s=5, extra=mode)
+    _assert_clean_mix(status, rows)
+
+
+def test_locust_mix_from_two_processes(tmp_path: Path) -> None:
+    """`--processes` (LOADTEST_PROCESSES): each worker is a caller of its own, and the master
+    adds up their counts."""
+    port, master = _free_port(), str(_free_port())
+    command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
+    workers = ("--processes", "2", "--master-bind-host", "127.0.0.1")
+    workers += ("--master-bind-port", master, "--master-port", master)
+    with _server(command, port, tmp_path / "server.log") as target:
+        status, rows = _locust(target, tmp_path / "run", run_time_s=5, extra=workers)
     _assert_clean_mix(status, rows)
 
 
