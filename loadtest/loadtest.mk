@@ -10,10 +10,9 @@
 # The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second, on a fixed
 # schedule; each call is timed from when it was due. A locust process makes one unary call at a
 # time, so above a few hundred requests a second give it LOADTEST_PROCESSES (its workers talk to
-# it on 127.0.0.1:LOADTEST_MASTER_PORT). By default the
-# load test starts its own server on LOADTEST_PORT (RISKSERVE_PORT, else 50051) and refuses
-# when something already listens there. With LOADTEST_SERVER empty no server is started and
-# LOADTEST_HOST must already be serving.
+# it on 127.0.0.1:LOADTEST_MASTER_PORT). By default the load test starts its own server on
+# LOADTEST_PORT (RISKSERVE_PORT, else 50051) and refuses when something already listens there.
+# With LOADTEST_SERVER empty no server is started and LOADTEST_HOST must already be serving.
 # Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples). The CSV is
 # written once a second, so its last second may be missing; the printed summary and the
 # HTML report are the final tally.
