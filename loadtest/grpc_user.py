@@ -4,9 +4,10 @@ Every call goes through `GrpcClient.call`, which times it and fires locust's ``r
 (request_type ``grpc``). A call can name the status code it expects: a request built to be
 invalid that comes back INVALID_ARGUMENT is a success, and one that comes back OK is a failure.
 
-Pacing is open loop: each user's task runs are due at a fixed interval (1 / --rps-per-user)
-whatever the calls take, and a call's latency counts from its task's due time, so a run that
-starts late because its process was busy is charged with the wait (no coordinated omission).
+Pacing is open loop: each user's task runs are due at a fixed interval (1 / --rps-per-user),
+at a phase of its own, whatever the calls take, and a call's latency counts from its task's due
+time, so a run that starts late because its process was busy is charged with the wait (no
+coordinated omission).
 
 By default unary calls block the locust process while they wait, in gRPC's C core with the GIL
 released: a process is one caller at a time, and `--processes` adds callers. `--grpc-gevent`
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections import Counter
@@ -379,10 +381,17 @@ class GrpcUser(User):
 
     def wait_time(self) -> float:
         """Open loop at --rps-per-user: the next task run is due one interval after the last
-        one was due, however long that took; a late run starts at once, and its call's latency
-        counts from the due time."""
+        one was due, however long that took (the first at a random point of the first
+        interval); a late run starts at once, and its call's latency counts from the due
+        time."""
         now_s = time.perf_counter()
-        self._due_s = (now_s if self._due_s is None else self._due_s) + 1.0 / self.rps_per_user
+        interval_s = 1.0 / self.rps_per_user
+        if self._due_s is None:
+            # A random phase: users spawned at a steady pace would otherwise share a few phases
+            # of the interval and send their tasks in bursts.
+            self._due_s = now_s + random.uniform(0.0, interval_s)
+        else:
+            self._due_s += interval_s
         self.client.due_s = self._due_s
         return max(0.0, self._due_s - now_s - _TIMER_SLACK_S)
 

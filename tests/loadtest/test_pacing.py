@@ -42,11 +42,16 @@ _SCRIPT = textwrap.dedent(
         timeouts.append(timeout)
         return risk_scoring_pb2.ScoreResponse(score=0.5)
 
-    # The schedule is open loop: each task run is due one interval (0.1 s) after the last was
-    # due, however late the runs are.
-    first_wait = user.wait_time()
+    # Each user's first task run is due at a random point of the first interval (0.1 s), so
+    # users spawned at a steady pace do not send in step.
+    first_waits = [User(env).wait_time() for _ in range(40)]
+    assert all(0.0 <= w <= 0.1 for w in first_waits), first_waits
+    assert max(first_waits) - min(first_waits) > 0.05, first_waits
+
+    # The schedule is open loop: each task run is due one interval after the last was due,
+    # however late the runs are.
+    user.wait_time()
     first_due = user._due_s
-    assert 0.0 < first_wait <= 0.1, first_wait
     user._due_s = time.perf_counter() - 0.35  # the process was busy for 350 ms
     behind = user._due_s
     assert user.wait_time() == 0.0  # late: run at once
