@@ -4,7 +4,7 @@ For each server configuration (one process, or one per core) a riskserve server 
 127.0.0.1 with its defaults (tracing and metrics on), then locust runs the load test's own mix
 (loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8, long histories,
 ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the same machine, in
-`--locust-processes` locust processes (default: one per core). Per rate it prints what locust
+`--locust-processes` locust processes (default one). Per rate it prints what locust
 measured (requests, failures, p50, p99, each call timed from when its task was due), the
 server's own p50 and p99 (the bounds of the buckets of its request-duration histogram they fall
 in), its CPU per request (its whole process group, from /proc), locust's CPU per request and
@@ -79,9 +79,7 @@ def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
     return ServerSpec(config, argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
 
 
-def _locust(
-    target: str, rate: float, duration_s: float, prefix: Path, processes: int, gevent: bool
-) -> float:
+def _locust(target: str, rate: float, duration_s: float, prefix: Path, processes: int) -> float:
     """One locust run; the CPU seconds it used (all its processes)."""
     users = max(1, round(rate / RPS_PER_USER))
     command = [
@@ -103,8 +101,6 @@ def _locust(
         "--csv",
         str(prefix),
     ]
-    if gevent:
-        command.append("--grpc-gevent")
     if processes > 1:
         # Its workers talk to its master on loopback, on a port of their own.
         port = str(free_port())
@@ -176,7 +172,6 @@ def sweep(
     duration_s: float,
     budget_ms: float,
     locust_processes: int,
-    gevent: bool,
 ) -> list[Point]:
     spec, metrics_port = _spec(config, budget_ms)
     processes = _processes(config)
@@ -185,15 +180,13 @@ def sweep(
         log = Path(tmp) / f"{config}.log"
         with ServerProcess(spec, log) as server:
             # Connect and warm caches.
-            _locust(server.target, min(rates), 3.0, Path(tmp) / "warm", locust_processes, gevent)
+            _locust(server.target, min(rates), 3.0, Path(tmp) / "warm", locust_processes)
             for rate in rates:
                 prefix = Path(tmp) / f"{config}-{rate:g}"
                 cpu_before = server.cpu_seconds()
                 shed_before, buckets_before = _server_counts(metrics_port, processes)
                 started = time.monotonic()
-                locust_cpu_s = _locust(
-                    server.target, rate, duration_s, prefix, locust_processes, gevent
-                )
+                locust_cpu_s = _locust(server.target, rate, duration_s, prefix, locust_processes)
                 elapsed_s = time.monotonic() - started
                 cpu_s = server.cpu_seconds() - cpu_before
                 shed, buckets = _server_counts(metrics_port, processes)
@@ -266,23 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         "comma-separated",
     )
     parser.add_argument(
-        "--locust-processes",
-        type=int,
-        default=len(os.sched_getaffinity(0)) or 1,
-        help="locust processes (each one caller at a time); default one per core",
-    )
-    parser.add_argument(
-        "--locust-gevent",
-        action="store_true",
-        help="locust's users wait on their calls at once (its --grpc-gevent)",
+        "--locust-processes", type=int, default=1, help="locust processes (its --processes)"
     )
     args = parser.parse_args(argv)
     rates = sorted(float(r) for r in args.rates.split(",") if r)
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(
         f"make loadtest's mix by locust on this machine ({os.cpu_count()} cores, load average "
-        f"{load}); {args.duration_s:g} s a rate; {args.locust_processes} locust processes"
-        f"{' in gRPC gevent mode' if args.locust_gevent else ''}; "
+        f"{load}); {args.duration_s:g} s a rate; {args.locust_processes} locust process(es); "
         f"budget {args.budget_ms:g} ms"
     )
     points: list[Point] = []
@@ -293,7 +277,6 @@ def main(argv: list[str] | None = None) -> int:
             args.duration_s,
             args.budget_ms,
             args.locust_processes,
-            args.locust_gevent,
         )
     report(points, args.budget_ms)
     return 0

@@ -7,15 +7,8 @@ invalid that comes back INVALID_ARGUMENT is a success, and one that comes back O
 Pacing is open loop: each user's task runs are due at a fixed interval (1 / --rps-per-user),
 at a phase of its own, whatever the calls take, and a call's latency counts from its task's due
 time, so a run that starts late because its process was busy is charged with the wait (no
-coordinated omission).
-
-By default unary calls block the locust process while they wait, in gRPC's C core with the GIL
-released: a process is one caller at a time, and `--processes` adds callers. `--grpc-gevent`
-turns on gRPC's gevent mode (`init_gevent`), so that a process's users wait at once, as a far
-target needs; it runs every wait on a native thread of gevent's pool and hands each answer back
-to the hub, which on a small machine costs more latency than it saves (docs/benchmarks.md, the
-load-test section, compares the two). --streaming needs it too: the shared stream's reader waits
-while the users send.
+coordinated omission). The phases matter: users spawned at a steady pace would otherwise share
+a few phases of the interval and send in bursts (docs/benchmarks.md, the load-test section).
 """
 
 from __future__ import annotations
@@ -38,6 +31,10 @@ from locust.exception import StopUser
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
 
+# locust has patched the standard library by now; gRPC's C core must cooperate with gevent
+# before the first channel exists, or every call blocks the whole worker.
+grpc_gevent.init_gevent()
+
 __all__ = [
     "DEFAULT_HOST",
     "GrpcClient",
@@ -50,8 +47,8 @@ __all__ = [
 
 DEFAULT_HOST = "127.0.0.1:50051"
 _SCHEMA_TIMEOUT_S = 10.0
-# How long a call waits for its answer when the run sets no deadline: a unary call blocks its
-# whole process, so a server that never answers must not stop the run's clock.
+# How long a call waits for its answer when the run sets no deadline, so that none waits without
+# end (the server's budget, far shorter, still applies).
 _LONGEST_WAIT_S = 10.0
 # gevent's timers fire up to about a millisecond late (its loop waits in whole milliseconds), so
 # a user wakes this much before its task is due; a run that starts early is timed from its start.
@@ -92,27 +89,11 @@ def _add_arguments(parser: Any) -> None:
         help="Send the Score tasks on one ScoreStream per process that all users share.",
     )
     group.add_argument(
-        "--grpc-gevent",
-        action="store_true",
-        default=False,
-        env_var="LOCUST_GRPC_GEVENT",
-        help="Let a process's users wait on their calls at once (gRPC's gevent mode); by default "
-        "a process makes one unary call at a time. --streaming implies it.",
-    )
-    group.add_argument(
         "--tls-ca",
         default="",
         env_var="LOCUST_TLS_CA",
         help="PEM file of root certificates: connect with TLS (a grpcs:// host uses system roots).",
     )
-
-
-@events.init.add_listener
-def _cooperate_with_gevent(environment: Any, **_kwargs: Any) -> None:
-    # Before the first channel exists (users open theirs when they start).
-    options = environment.parsed_options
-    if getattr(options, "streaming", False) or getattr(options, "grpc_gevent", False):
-        grpc_gevent.init_gevent()
 
 
 class RpcStatusError(Exception):
@@ -319,7 +300,7 @@ class GrpcClient:
             start_s, self.due_s = min(start_s, self.due_s), None
         wait_s = self._deadline_s
         if wait_s is None and not isinstance(getattr(method, "__self__", None), ScoreStreamMux):
-            wait_s = _LONGEST_WAIT_S  # the server's budget still applies: it is shorter
+            wait_s = _LONGEST_WAIT_S
         try:
             response = method(request, timeout=wait_s)
         except grpc.RpcError as exc:

@@ -2,15 +2,15 @@
 #
 #   make loadtest                                  # its own server, the default load below
 #   make loadtest LOADTEST_USERS=50 LOADTEST_RPS_PER_USER=20 LOADTEST_TIME=120s
-#   make loadtest LOADTEST_USERS=40 LOADTEST_PROCESSES=2   # 400 req/s from two locust processes
+#   make loadtest LOADTEST_USERS=80 LOADTEST_PROCESSES=4   # 800 req/s from four locust processes
 #   make loadtest LOADTEST_SERVER=                 # the server `make serve` runs (RISKSERVE_PORT)
 #   make loadtest LOADTEST_HOST=riskserve.example.internal:50051 LOADTEST_SERVER=
 #   make soak SOAK_MINUTES=30
 #
 # The offered rate is LOADTEST_USERS x LOADTEST_RPS_PER_USER requests a second, on a fixed
-# schedule; each call is timed from when it was due. A locust process makes one unary call at a
-# time, so above a few hundred requests a second give it LOADTEST_PROCESSES (its workers talk to
-# it on 127.0.0.1:LOADTEST_MASTER_PORT). By default the load test starts its own server on
+# schedule; each call is timed from when it was due. A locust process uses one core; on a load
+# machine with more, LOADTEST_PROCESSES shares the users out over that many (its workers talk
+# to it on 127.0.0.1:LOADTEST_MASTER_PORT). By default the load test starts its own server on
 # LOADTEST_PORT (RISKSERVE_PORT, else 50051) and refuses when something already listens there.
 # With LOADTEST_SERVER empty no server is started and LOADTEST_HOST must already be serving.
 # Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples). The CSV is

@@ -111,18 +111,17 @@ def _assert_clean_mix(status: int, rows: dict[str, dict[str, str]]) -> None:
     assert status == 0
 
 
-@pytest.mark.parametrize("mode", [(), ("--grpc-gevent",)], ids=["blocking", "gevent"])
-def test_locust_mix_against_stand_in_server(tmp_path: Path, mode: tuple[str, ...]) -> None:
+def test_locust_mix_against_stand_in_server(tmp_path: Path) -> None:
     port = _free_port()
     command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
     with _server(command, port, tmp_path / "server.log") as target:
-        status, rows = _locust(target, tmp_path / "run", run_time_s=5, extra=mode)
+        status, rows = _locust(target, tmp_path / "run", run_time_s=5)
     _assert_clean_mix(status, rows)
 
 
 def test_locust_mix_from_two_processes(tmp_path: Path) -> None:
-    """`--processes` (LOADTEST_PROCESSES): each worker is a caller of its own, and the master
-    adds up their counts."""
+    """`--processes` (LOADTEST_PROCESSES): the users are shared out over the workers, and the
+    master adds up their counts."""
     port, master = _free_port(), str(_free_port())
     command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
     workers = ("--processes", "2", "--master-bind-host", "127.0.0.1")
