@@ -29,7 +29,7 @@ LOADTEST_SERVER ?= env RISKSERVE_METRICS_PORT=$(LOADTEST_METRICS_PORT) \
 # The default load: LOADTEST_DEFAULT_USERS x LOADTEST_DEFAULT_RPS_PER_USER requests a second,
 # for LOADTEST_DEFAULT_TIME. It is the load the load-test benchmark (docs/benchmarks.md)
 # shows a small CPU machine holding within the 10 ms budget; change it with that table.
-LOADTEST_DEFAULT_USERS := 10
+LOADTEST_DEFAULT_USERS := 40
 LOADTEST_DEFAULT_RPS_PER_USER := 10
 LOADTEST_DEFAULT_TIME := 60s
 LOADTEST_USERS ?= $(LOADTEST_DEFAULT_USERS)
