@@ -31,9 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
+from service.telemetry.stats import parse_stage_buckets
 
 REPO = Path(__file__).resolve().parents[1]
 LOCUST = REPO / ".venv" / "bin" / "locust"
@@ -146,11 +145,10 @@ def _server_counts(metrics_port: int, processes: int) -> tuple[float, dict[float
         for i in range(processes):
             text = scrape_metrics(metrics_port + i)
             shed += metric_sum(text, "riskserve_shed_total")
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    if sample.name == "riskserve_request_duration_seconds_bucket":
-                        bound = float(sample.labels["le"])
-                        buckets[bound] = buckets.get(bound, 0.0) + sample.value
+            requests = parse_stage_buckets(text).get("end_to_end")
+            if requests is not None:
+                for bound, count in zip(requests.upper_bounds_s, requests.cumulative, strict=True):
+                    buckets[bound] = buckets.get(bound, 0.0) + count
     except Exception:
         return math.nan, {}
     return shed, buckets
