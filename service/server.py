@@ -165,6 +165,8 @@ async def build_server(
         workers=settings.engine_workers,
         max_queue_delay_s=settings.max_queue_delay_us / 1e6,
         inline_max_s=settings.engine_inline_max_us / 1e6,
+        gather_turns=settings.gather_turns,
+        gather_max_s=settings.gather_max_us / 1e6,
         warmup_iterations=settings.warmup_iterations,
         degrade_on_deadline=settings.degrade_on_deadline,
         telemetry=telemetry,

@@ -28,6 +28,7 @@ import grpc
 
 from service.api.boundary import rpc_boundary
 from service.api.registration import Malformed
+from service.batching.batcher import ARRIVES_ALONE
 from service.batching.budget import Budget
 
 __all__ = [
@@ -280,6 +281,8 @@ class _Stream(Generic[Req, Resp]):
             self._context.set_details(_DRAINING)
 
     async def _read(self) -> None:
+        # Messages read here start in copies of this task's context: none waits for company.
+        ARRIVES_ALONE.set(False)
         limit = self._streams.max_in_flight
         try:
             async for request in self._requests:

@@ -20,6 +20,16 @@ with 16 to 64 perf_analyzer callers, but `make loadtest`'s mix at 800 requests a
 shed 18 % of its requests instead of under 0.1 %. Each report back waited for the GIL while
 the loop ran Python, and those waits entered the engine-time model.
 
+A batch the loop would start with a single unary request first waits for company, a turn of
+the loop at a time, while more requests keep arriving (`gather_turns` idle turns after the
+last, `gather_max_s` in all, never past what the earliest deadline allows). grpc.aio hands the
+loop one new call at a time, several turns apart, so without the wait every unary call on a
+busy server was a batch of one: at 16 closed-loop callers 97 % of batches held one row, and
+each paid the engine's fixed cost and the per-batch work alone. The turns spent waiting are
+not idle: they are what takes the next calls off the wire. Gathering stops where it brings no
+company (light load: one probe in 64 batches then) and is never done for stream messages
+(`ARRIVES_ALONE`), which many streams deliver in the same turn.
+
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
 stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
@@ -32,6 +42,7 @@ task wakes up to look at the queue, and a batch crosses threads once each way.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import heapq
 import itertools
 import logging
@@ -47,7 +58,14 @@ from service.batching.rows import RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
-__all__ = ["INLINE_MAX_S", "EngineTimeModel", "MicroBatcher", "Scored"]
+__all__ = [
+    "GATHER_MAX_S",
+    "GATHER_TURNS",
+    "INLINE_MAX_S",
+    "EngineTimeModel",
+    "MicroBatcher",
+    "Scored",
+]
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +172,8 @@ class _Job:
     trace: RequestTrace | None = field(compare=False, default=None)
     # Rows against one history (`RowBatch.shares_history`): run alone, costed by their cells.
     shared: bool = field(compare=False, default=False)
+    # Whether a batch it starts alone waits for company (`ARRIVES_ALONE`).
+    gathers: bool = field(compare=False, default=True)
 
     @property
     def cells(self) -> float:
@@ -192,6 +212,48 @@ _MAX_DEFERRED = 16
 # estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
 # 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
+# Gathering (see the module's notes): idle turns of the loop a batch waits for more requests
+# after the last one arrived, and the longest it waits in all.
+GATHER_TURNS = 16
+GATHER_MAX_S = 0.001
+# Batches gather while `_Gather.worth` stays above this: after a gather that brought company,
+# until two in a row brought none.
+_GATHER_WORTH = 0.2
+# Where gathers stopped bringing company, one batch in this many gathers anyway, so that a load
+# that rises is noticed.
+_GATHER_PROBE_EVERY = 64
+
+# Whether requests submitted in this context reach the batcher one at a time, so that a batch
+# started alone with one is worth a wait for company: true of unary calls, which grpc.aio
+# hands the event loop one at a time; a stream sets it false for its messages, which arrive as
+# their reads complete, many a turn.
+ARRIVES_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "riskserve_arrives_alone", default=True
+)
+
+
+class _Gather:
+    """The wait for company of the next batch the event loop runs, and how recent ones went."""
+
+    __slots__ = ("found", "idle_turns", "rows", "since_probe", "started", "worth")
+
+    def __init__(self) -> None:
+        self.started = 0.0  # monotonic seconds; 0: not gathering
+        self.rows = 0  # rows queued when a request last arrived
+        self.idle_turns = 0  # turns of the loop since then
+        self.found = False  # whether this gather brought any request
+        # Recent gathers that brought company, each counting half as much as the next one.
+        self.worth = 0.0
+        self.since_probe = 0  # batches started without a gather since the last one
+
+    def start(self, now: float, rows: int) -> None:
+        self.started, self.rows, self.idle_turns, self.found = now, rows, 0, False
+        self.since_probe = 0
+
+    def end(self) -> None:
+        if self.started:
+            self.worth = (self.worth + self.found) / 2
+            self.started = 0.0
 
 
 class MicroBatcher:
@@ -210,11 +272,18 @@ class MicroBatcher:
         telemetry: Telemetry | None = None,
         labels: tuple[str, str] = ("", ""),
         inline_max_s: float = INLINE_MAX_S,
+        gather_turns: int = GATHER_TURNS,
+        gather_max_s: float = GATHER_MAX_S,
     ) -> None:
         """`inline_max_s`: batches expected to be at most this fast run on the event loop (0:
-        every batch goes to an engine thread)."""
+        every batch goes to an engine thread). `gather_turns`: idle turns of the loop such a
+        batch waits for more requests where recent batches found some (0: never waits), for
+        at most `gather_max_s` in all."""
         self._run_batch = run_batch
         self._inline_max_s = inline_max_s
+        self._gather_turns = gather_turns
+        self._gather_max_s = gather_max_s
+        self._gather = _Gather()
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
         self._workers_n = workers
@@ -289,7 +358,18 @@ class MicroBatcher:
         future: asyncio.Future[Scored] = self._loop.create_future()
         trace = current_request_trace() if self._tracing is not None else None
         shared = any(p.shares_history for p in parts)
-        job = _Job(deadline, next(self._seq), parts, rows, length, now, future, trace, shared)
+        job = _Job(
+            deadline,
+            next(self._seq),
+            parts,
+            rows,
+            length,
+            now,
+            future,
+            trace,
+            shared,
+            ARRIVES_ALONE.get(),
+        )
         if now + self._estimate_wait_s(job.cells, length) > deadline:
             self._shed("deadline")
             if self._degrade:
@@ -431,6 +511,10 @@ class MicroBatcher:
         self._scheduled = None
         if self._running:  # a batch went to a thread meanwhile; its end dispatches again
             return
+        if self._gathering():
+            assert self._loop is not None
+            self._scheduled = self._loop.call_soon(self._dispatch_next)
+            return
         while self._heap:
             token, running = self._start_next()
             if running is None:
@@ -446,6 +530,46 @@ class MicroBatcher:
                 outcome = exc
             self._finish(token, outcome, time.monotonic_ns())
             return
+
+    def _gathering(self) -> bool:
+        """Whether the next batch waits one more turn of the loop for company.
+
+        A batch that would start with one unary request waits while more keep arriving: until
+        `gather_turns` turns pass with none, the batch is full, `gather_max_s` has passed, or
+        the earliest deadline needs the batch to start. Where recent gathers brought no company
+        (light load) a batch starts at once, but for one probe in `_GATHER_PROBE_EVERY`.
+        """
+        gather = self._gather
+        if not self._heap or self._closing or self._queued_rows >= self.max_batch_rows:
+            gather.end()
+            return False
+        now = time.monotonic()
+        if not gather.started:
+            # Company is already there, or none would come one at a time.
+            if self._gather_turns <= 0 or len(self._heap) > 1 or not self._heap[0].gathers:
+                return False
+            gather.since_probe += 1
+            if gather.worth <= _GATHER_WORTH and gather.since_probe < _GATHER_PROBE_EVERY:
+                return False
+            gather.start(now, self._queued_rows)
+        elif self._queued_rows > gather.rows:
+            gather.rows, gather.idle_turns, gather.found = self._queued_rows, 0, True
+        else:
+            gather.idle_turns += 1
+        head = self._heap[0]
+        # The earliest deadline keeps room for the longest wait and then its batch's run.
+        room_s = head.deadline - now - self._gather_max_s
+        if (
+            gather.idle_turns < self._gather_turns
+            and now - gather.started < self._gather_max_s
+            and room_s > self.time_model.estimate_s(self._queued_cells(head.history_length))
+        ):
+            return True
+        gather.end()
+        return False
+
+    def _queued_cells(self, history_length: int) -> float:
+        return EngineTimeModel.cells(self._queued_rows, history_length)
 
     def _run_parts(self, parts: Sequence[RowBatch]) -> Scored:
         """One engine run of the parts joined; a job of rows against one history (run alone)

@@ -23,7 +23,13 @@ from engines.onnxrt import OnnxRuntimeEngine
 from engines.pool import EnginePool
 from engines.trt import load_engines
 from engines.validation import accepted_variants
-from service.batching.batcher import INLINE_MAX_S, EngineTimeModel, MicroBatcher
+from service.batching.batcher import (
+    GATHER_MAX_S,
+    GATHER_TURNS,
+    INLINE_MAX_S,
+    EngineTimeModel,
+    MicroBatcher,
+)
 from service.batching.rows import RowBatch
 from service.errors import Unavailable
 from service.models.compute import run_on_pool
@@ -99,6 +105,8 @@ class VersionLoader:
         workers: int,
         max_queue_delay_s: float,
         inline_max_s: float = INLINE_MAX_S,
+        gather_turns: int = GATHER_TURNS,
+        gather_max_s: float = GATHER_MAX_S,
         warmup_iterations: int,
         degrade_on_deadline: bool,
         telemetry: Telemetry | None = None,
@@ -109,6 +117,8 @@ class VersionLoader:
         self._workers = workers
         self._max_queue_delay_s = max_queue_delay_s
         self._inline_max_s = inline_max_s
+        self._gather_turns = gather_turns
+        self._gather_max_s = gather_max_s
         self._warmup_iterations = warmup_iterations
         self._degrade = degrade_on_deadline
         self._telemetry = telemetry
@@ -145,6 +155,8 @@ class VersionLoader:
             inline_max_s=0.0
             if any(e.can_hang for e in (*engines, fallback))
             else self._inline_max_s,
+            gather_turns=self._gather_turns,
+            gather_max_s=self._gather_max_s,
         )
         model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
         if len(pool.engines) > 1:
