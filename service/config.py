@@ -69,7 +69,7 @@ class Settings(BaseSettings):
         "an engine thread (engines that cannot hang only); 0 = every batch on an engine thread.",
     )
     gather_turns: int = Field(
-        16,
+        32,
         ge=0,
         description="Idle turns of the event loop a batch run on the loop waits for more "
         "requests after the last one arrived, where recent batches found company; 0 = never "

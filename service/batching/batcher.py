@@ -27,7 +27,7 @@ loop one new call at a time, several turns apart, so without the wait every unar
 busy server was a batch of one: at 16 closed-loop callers 97 % of batches held one row, and
 each paid the engine's fixed cost and the per-batch work alone. The turns spent waiting are
 not idle: they are what takes the next calls off the wire. Gathering stops where it brings no
-company (light load: one probe in 64 batches then) and is never done for stream messages
+company (light load: one probe in 256 batches then) and is never done for stream messages
 (`ARRIVES_ALONE`), which many streams deliver in the same turn.
 
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
@@ -214,14 +214,14 @@ _MAX_DEFERRED = 16
 INLINE_MAX_S = 0.003
 # Gathering (see the module's notes): idle turns of the loop a batch waits for more requests
 # after the last one arrived, and the longest it waits in all.
-GATHER_TURNS = 16
+GATHER_TURNS = 32
 GATHER_MAX_S = 0.001
 # Batches gather while `_Gather.worth` stays above this: after a gather that brought company,
 # until two in a row brought none.
 _GATHER_WORTH = 0.2
 # Where gathers stopped bringing company, one batch in this many gathers anyway, so that a load
 # that rises is noticed.
-_GATHER_PROBE_EVERY = 64
+_GATHER_PROBE_EVERY = 256
 
 # Whether requests submitted in this context reach the batcher one at a time, so that a batch
 # started alone with one is worth a wait for company: true of unary calls, which grpc.aio
