@@ -10,7 +10,7 @@ Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH
 ``riskserve-2proc`` (two server processes on one port), ``riskserve-threaded`` (every batch on an
 engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
 ``riskserve-threaded-si500`` (the same with RISKSERVE_SWITCH_INTERVAL_US=500),
-``riskserve-nogather`` (no batch waits for company, RISKSERVE_GATHER_TURNS=0) and
+``riskserve-nogather`` (no batch waits for company, RISKSERVE_GATHER_US=0) and
 ``grpc-floor``: one grpc.aio server
 process that answers ModelInfer with zeros and does no other work (bench.rpc_floor), so a run
 shows how much of a peer's lead a Python gRPC server gives away before it does any work.
@@ -127,7 +127,7 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
     if name.endswith("-si500"):
         env["RISKSERVE_SWITCH_INTERVAL_US"] = "500"
     if name == "riskserve-nogather":
-        env["RISKSERVE_GATHER_TURNS"] = "0"
+        env["RISKSERVE_GATHER_US"] = "0"
     return ServerSpec(
         name=name,
         argv=(str(RISKSERVE_BIN), "serve", "--port", str(port)),

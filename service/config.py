@@ -68,15 +68,11 @@ class Settings(BaseSettings):
         description="Batches expected to run at most this long run on the event loop instead of "
         "an engine thread (engines that cannot hang only); 0 = every batch on an engine thread.",
     )
-    gather_turns: int = Field(
-        32,
+    gather_us: int = Field(
+        1000,
         ge=0,
-        description="Idle turns of the event loop a batch run on the loop waits for more "
-        "requests after the last one arrived, where recent batches found company; 0 = never "
-        "waits.",
-    )
-    gather_max_us: int = Field(
-        1000, ge=0, description="The longest a batch waits for company in all (gather_turns)."
+        description="How long a batch the event loop would start with one unary request waits "
+        "for more, where recent waits found company; 0 = never waits.",
     )
     engine_workers: int = Field(
         0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."

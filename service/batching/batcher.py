@@ -20,15 +20,16 @@ with 16 to 64 perf_analyzer callers, but `make loadtest`'s mix at 800 requests a
 shed 18 % of its requests instead of under 0.1 %. Each report back waited for the GIL while
 the loop ran Python, and those waits entered the engine-time model.
 
-A batch the loop would start with a single unary request first waits for company, a turn of
-the loop at a time, while more requests keep arriving (`gather_turns` idle turns after the
-last, `gather_max_s` in all, never past what the earliest deadline allows). grpc.aio hands the
-loop one new call at a time, several turns apart, so without the wait every unary call on a
-busy server was a batch of one: at 16 closed-loop callers 97 % of batches held one row, and
-each paid the engine's fixed cost and the per-batch work alone. The turns spent waiting are
-not idle: they are what takes the next calls off the wire. Gathering stops where it brings no
-company (light load: one probe in 256 batches then) and is never done for stream messages
-(`ARRIVES_ALONE`), which many streams deliver in the same turn.
+A batch the loop would start with a single unary request first waits `gather_s` (1 ms by
+default) for company, on a timer: the loop blocks in its selector meanwhile, so gRPC's poller
+thread hands it every call that arrives, and each joins the queue. grpc.aio hands the loop one
+new call at a time, several turns apart, so without the wait every unary call on a busy server
+was a batch of one: at 16 closed-loop callers 97 % of batches held one row, and each paid the
+engine's fixed cost and the per-batch work alone. Waiting by spinning the loop instead (a turn
+at a time) batched as well on an idle machine, but on one short of CPU the spinning thread
+starved the poller thread and throughput halved. No batch waits where recent waits brought no
+company (light load: one probe in 256 batches then), where the earliest deadline has no room
+for it, or for stream messages (`ARRIVES_ALONE`), which many streams deliver in the same turn.
 
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
@@ -59,8 +60,8 @@ from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceErr
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
 __all__ = [
-    "GATHER_MAX_S",
-    "GATHER_TURNS",
+    "ARRIVES_ALONE",
+    "GATHER_S",
     "INLINE_MAX_S",
     "EngineTimeModel",
     "MicroBatcher",
@@ -212,10 +213,8 @@ _MAX_DEFERRED = 16
 # estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
 # 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
-# Gathering (see the module's notes): idle turns of the loop a batch waits for more requests
-# after the last one arrived, and the longest it waits in all.
-GATHER_TURNS = 32
-GATHER_MAX_S = 0.001
+# How long a batch started alone waits for company (see the module's notes).
+GATHER_S = 0.001
 # Batches gather while `_Gather.worth` stays above this: after a gather that brought company,
 # until two in a row brought none.
 _GATHER_WORTH = 0.2
@@ -235,25 +234,21 @@ ARRIVES_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class _Gather:
     """The wait for company of the next batch the event loop runs, and how recent ones went."""
 
-    __slots__ = ("found", "idle_turns", "rows", "since_probe", "started", "worth")
+    __slots__ = ("rows", "since_probe", "started", "worth")
 
     def __init__(self) -> None:
-        self.started = 0.0  # monotonic seconds; 0: not gathering
-        self.rows = 0  # rows queued when a request last arrived
-        self.idle_turns = 0  # turns of the loop since then
-        self.found = False  # whether this gather brought any request
-        # Recent gathers that brought company, each counting half as much as the next one.
+        self.started = False  # whether a batch is waiting now
+        self.rows = 0  # rows queued when the wait began
+        # Recent waits that brought company, each counting half as much as the next one.
         self.worth = 0.0
-        self.since_probe = 0  # batches started without a gather since the last one
+        self.since_probe = 0  # batches started without a wait since the last one
 
-    def start(self, now: float, rows: int) -> None:
-        self.started, self.rows, self.idle_turns, self.found = now, rows, 0, False
-        self.since_probe = 0
+    def start(self, rows: int) -> None:
+        self.started, self.rows, self.since_probe = True, rows, 0
 
-    def end(self) -> None:
-        if self.started:
-            self.worth = (self.worth + self.found) / 2
-            self.started = 0.0
+    def end(self, rows: int) -> None:
+        self.worth = (self.worth + (rows > self.rows)) / 2
+        self.started = False
 
 
 class MicroBatcher:
@@ -272,17 +267,14 @@ class MicroBatcher:
         telemetry: Telemetry | None = None,
         labels: tuple[str, str] = ("", ""),
         inline_max_s: float = INLINE_MAX_S,
-        gather_turns: int = GATHER_TURNS,
-        gather_max_s: float = GATHER_MAX_S,
+        gather_s: float = GATHER_S,
     ) -> None:
         """`inline_max_s`: batches expected to be at most this fast run on the event loop (0:
-        every batch goes to an engine thread). `gather_turns`: idle turns of the loop such a
-        batch waits for more requests where recent batches found some (0: never waits), for
-        at most `gather_max_s` in all."""
+        every batch goes to an engine thread). `gather_s`: how long such a batch, started with
+        one unary request, waits for company where recent waits found some (0: never)."""
         self._run_batch = run_batch
         self._inline_max_s = inline_max_s
-        self._gather_turns = gather_turns
-        self._gather_max_s = gather_max_s
+        self._gather_s = gather_s
         self._gather = _Gather()
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
@@ -494,9 +486,15 @@ class MicroBatcher:
     def _dispatch(self) -> None:
         while self._heap and len(self._running) < self._workers_n:
             if self._inline_max_s > 0 and not self._running:
-                # Decided later in this turn of the loop, so the requests ready now join in.
+                assert self._loop is not None
                 if self._scheduled is None:
-                    assert self._loop is not None
+                    # Decided later in this turn of the loop, so the requests ready now join in.
+                    self._scheduled = self._loop.call_soon(self._dispatch_next)
+                elif self._gather.started and (
+                    self._queued_rows >= self.max_batch_rows or self._closing
+                ):
+                    # A full batch waits for no more company, nor one the server is closing.
+                    self._scheduled.cancel()
                     self._scheduled = self._loop.call_soon(self._dispatch_next)
                 return
             self._hand_off()
@@ -511,9 +509,10 @@ class MicroBatcher:
         self._scheduled = None
         if self._running:  # a batch went to a thread meanwhile; its end dispatches again
             return
-        if self._gathering():
+        wait_s = self._gather_wait_s()
+        if wait_s > 0:
             assert self._loop is not None
-            self._scheduled = self._loop.call_soon(self._dispatch_next)
+            self._scheduled = self._loop.call_later(wait_s, self._dispatch_next)
             return
         while self._heap:
             token, running = self._start_next()
@@ -531,42 +530,29 @@ class MicroBatcher:
             self._finish(token, outcome, time.monotonic_ns())
             return
 
-    def _gathering(self) -> bool:
-        """Whether the next batch waits one more turn of the loop for company.
+    def _gather_wait_s(self) -> float:
+        """How long the next batch waits for company first (0: none; see the module's notes).
 
-        A batch that would start with one unary request waits while more keep arriving: until
-        `gather_turns` turns pass with none, the batch is full, `gather_max_s` has passed, or
-        the earliest deadline needs the batch to start. Where recent gathers brought no company
-        (light load) a batch starts at once, but for one probe in `_GATHER_PROBE_EVERY`.
+        Called when the batch would start: a wait begins here, and its timer calls back here.
         """
         gather = self._gather
-        if not self._heap or self._closing or self._queued_rows >= self.max_batch_rows:
-            gather.end()
-            return False
-        now = time.monotonic()
-        if not gather.started:
-            # Company is already there, or none would come one at a time.
-            if self._gather_turns <= 0 or len(self._heap) > 1 or not self._heap[0].gathers:
-                return False
-            gather.since_probe += 1
-            if gather.worth <= _GATHER_WORTH and gather.since_probe < _GATHER_PROBE_EVERY:
-                return False
-            gather.start(now, self._queued_rows)
-        elif self._queued_rows > gather.rows:
-            gather.rows, gather.idle_turns, gather.found = self._queued_rows, 0, True
-        else:
-            gather.idle_turns += 1
-        head = self._heap[0]
-        # The earliest deadline keeps room for the longest wait and then its batch's run.
-        room_s = head.deadline - now - self._gather_max_s
-        if (
-            gather.idle_turns < self._gather_turns
-            and now - gather.started < self._gather_max_s
-            and room_s > self.time_model.estimate_s(self._queued_cells(head.history_length))
-        ):
-            return True
-        gather.end()
-        return False
+        if gather.started:  # the wait is over
+            gather.end(self._queued_rows)
+            return 0.0
+        heap = self._heap
+        # Company is already there, or none would come one at a time.
+        if self._gather_s <= 0 or self._closing or len(heap) != 1 or not heap[0].gathers:
+            return 0.0
+        gather.since_probe += 1
+        if gather.worth <= _GATHER_WORTH and gather.since_probe < _GATHER_PROBE_EVERY:
+            return 0.0
+        head = heap[0]
+        # The earliest deadline keeps room for the wait and then its batch's run.
+        room_s = head.deadline - time.monotonic() - self._gather_s
+        if room_s <= self.time_model.estimate_s(self._queued_cells(head.history_length)):
+            return 0.0
+        gather.start(self._queued_rows)
+        return self._gather_s
 
     def _queued_cells(self, history_length: int) -> float:
         return EngineTimeModel.cells(self._queued_rows, history_length)

@@ -24,8 +24,7 @@ from engines.pool import EnginePool
 from engines.trt import load_engines
 from engines.validation import accepted_variants
 from service.batching.batcher import (
-    GATHER_MAX_S,
-    GATHER_TURNS,
+    GATHER_S,
     INLINE_MAX_S,
     EngineTimeModel,
     MicroBatcher,
@@ -105,8 +104,7 @@ class VersionLoader:
         workers: int,
         max_queue_delay_s: float,
         inline_max_s: float = INLINE_MAX_S,
-        gather_turns: int = GATHER_TURNS,
-        gather_max_s: float = GATHER_MAX_S,
+        gather_s: float = GATHER_S,
         warmup_iterations: int,
         degrade_on_deadline: bool,
         telemetry: Telemetry | None = None,
@@ -117,8 +115,7 @@ class VersionLoader:
         self._workers = workers
         self._max_queue_delay_s = max_queue_delay_s
         self._inline_max_s = inline_max_s
-        self._gather_turns = gather_turns
-        self._gather_max_s = gather_max_s
+        self._gather_s = gather_s
         self._warmup_iterations = warmup_iterations
         self._degrade = degrade_on_deadline
         self._telemetry = telemetry
@@ -155,8 +152,7 @@ class VersionLoader:
             inline_max_s=0.0
             if any(e.can_hang for e in (*engines, fallback))
             else self._inline_max_s,
-            gather_turns=self._gather_turns,
-            gather_max_s=self._gather_max_s,
+            gather_s=self._gather_s,
         )
         model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
         if len(pool.engines) > 1:

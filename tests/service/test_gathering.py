@@ -1,4 +1,4 @@
-"""A batch the event loop would start with one unary request waits, turn by turn, for company."""
+"""A batch the event loop would start with one unary request waits a moment for company."""
 
 from __future__ import annotations
 
@@ -12,22 +12,20 @@ import service.batching.batcher as batcher_module
 from service.batching.batcher import ARRIVES_ALONE, MicroBatcher, Scored
 from service.batching.rows import RowBatch
 
-GATHER_TURNS = 8
+# Long enough that a request waiting for company is still waiting after any number of turns
+# of the loop a test takes; each test that lets a wait run out chooses a short one.
+WAIT_S = 3600.0
+# Turns of the loop a request on an idle engine takes at most to be scored.
+PROMPT_TURNS = 10
 
 
-def _batcher(batches: list[int], gather_turns: int = GATHER_TURNS, **kwargs) -> MicroBatcher:
+def _batcher(batches: list[int], gather_s: float = WAIT_S, **kwargs) -> MicroBatcher:
     def run(rows: RowBatch) -> Scored:
         batches.append(rows.rows)
         return Scored(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
 
     return MicroBatcher(
-        run,
-        max_batch_rows=16,
-        max_queue_rows=64,
-        workers=1,
-        gather_turns=gather_turns,
-        gather_max_s=kwargs.pop("gather_max_s", 10.0),
-        **kwargs,
+        run, max_batch_rows=4, max_queue_rows=64, workers=1, gather_s=gather_s, **kwargs
     )
 
 
@@ -35,104 +33,98 @@ def _row() -> RowBatch:
     return RowBatch(np.zeros((1, 4), np.float32), None, None)
 
 
-async def _turns_until_done(task: asyncio.Task[Scored], limit: int = 500) -> int:
-    for turn in range(limit):
+async def _done_within(task: asyncio.Future[Scored], turns: int) -> bool:
+    for _ in range(turns):
         if task.done():
-            return turn
-        await asyncio.sleep(0)  # one turn of the loop
-    raise AssertionError(f"not scored within {limit} turns")
+            return True
+        await asyncio.sleep(0)  # one turn of the loop: no time passes for a timer
+    return task.done()
 
 
-async def _arriving_turn_by_turn(batcher: MicroBatcher, count: int, gap_turns: int) -> None:
-    """`count` requests, each submitted `gap_turns` turns after the one before."""
-    tasks = []
-    for _ in range(count):
-        tasks.append(asyncio.create_task(batcher.submit(_row(), time.monotonic() + 3600)))
-        for _ in range(gap_turns):
-            await asyncio.sleep(0)
-    await asyncio.gather(*tasks)
+def _submit(batcher: MicroBatcher, streamed: bool = False) -> asyncio.Task[Scored]:
+    async def submitted() -> Scored:
+        if streamed:
+            ARRIVES_ALONE.set(False)  # as a stream's reader sets it for its messages
+        return await batcher.submit(_row(), time.monotonic() + 2 * WAIT_S)
+
+    return asyncio.create_task(submitted())
 
 
 @pytest.fixture
 def probe_every_batch(monkeypatch):
-    """Every batch started alone gathers, as under load, whatever the gathers before found."""
+    """Every batch started alone waits, as under load, whatever the waits before found."""
     monkeypatch.setattr(batcher_module, "_GATHER_PROBE_EVERY", 1)
 
 
 @pytest.mark.usefixtures("probe_every_batch")
 def test_requests_arriving_turns_apart_share_one_batch():
-    async def batches_of(gather_turns: int) -> list[int]:
+    async def batches_of(gather_s: float) -> list[int]:
         batches: list[int] = []
-        batcher = _batcher(batches, gather_turns)
+        batcher = _batcher(batches, gather_s)
         batcher.start()
-        await _arriving_turn_by_turn(batcher, 4, gap_turns=3)
+        tasks = []
+        for _ in range(3):
+            tasks.append(_submit(batcher))
+            for _ in range(3):
+                await asyncio.sleep(0)
+        await asyncio.gather(*tasks, *[_submit(batcher)])  # the fourth fills the batch
         await batcher.close(1.0)
         return batches
 
-    assert asyncio.run(batches_of(GATHER_TURNS)) == [4]
+    # The first request waits; the others join it, and the full batch starts at once.
+    assert asyncio.run(batches_of(WAIT_S)) == [4]
     # Without the wait each request is a batch of its own.
-    assert asyncio.run(batches_of(0)) == [1, 1, 1, 1]
+    assert asyncio.run(batches_of(0.0)) == [1, 1, 1, 1]
 
 
-def test_a_gather_that_brings_no_company_stops_the_next_ones(monkeypatch):
-    async def turns() -> tuple[int, int]:
-        batcher = _batcher([])
+def test_a_wait_that_brings_no_company_is_not_repeated(monkeypatch):
+    async def waits() -> tuple[bool, bool]:
+        batcher = _batcher([], gather_s=0.02)
         batcher.start()
-        probe = asyncio.create_task(batcher.submit(_row(), time.monotonic() + 3600))
-        probe_turns = await _turns_until_done(probe)
+        probe = _submit(batcher)
+        probe_waited = not await _done_within(probe, PROMPT_TURNS)
+        await probe  # alone for its whole wait
         # No probe for a long while: the next lone request runs as on an idle engine.
         monkeypatch.setattr(batcher_module, "_GATHER_PROBE_EVERY", 1000)
-        lone = asyncio.create_task(batcher.submit(_row(), time.monotonic() + 3600))
-        lone_turns = await _turns_until_done(lone)
+        lone_prompt = await _done_within(_submit(batcher), PROMPT_TURNS)
         await batcher.close(1.0)
-        return probe_turns, lone_turns
+        return probe_waited, lone_prompt
 
     monkeypatch.setattr(batcher_module, "_GATHER_PROBE_EVERY", 1)
-    probe_turns, lone_turns = asyncio.run(turns())
-    assert probe_turns > GATHER_TURNS  # it waited its idle turns, in vain
-    assert lone_turns < GATHER_TURNS
+    assert asyncio.run(waits()) == (True, True)
 
 
-def _turns_for_one(deadline_s: float, streamed: bool = False, **kwargs) -> int:
-    """Turns of the loop one request alone takes to be scored."""
+def _prompt(streamed: bool = False, deadline_s: float = 2 * WAIT_S) -> bool:
+    """Whether one request alone is scored within a few turns of the loop (closing the
+    batcher then starts a batch still waiting)."""
 
-    async def turns() -> int:
-        batcher = _batcher([], **kwargs)
+    async def prompt() -> bool:
+        batcher = _batcher([])
         batcher.start()
-
-        async def submitted() -> Scored:
-            if streamed:
-                ARRIVES_ALONE.set(False)  # as a stream's reader sets it for its messages
-            return await batcher.submit(_row(), time.monotonic() + deadline_s)
-
-        taken = await _turns_until_done(asyncio.create_task(submitted()))
+        if deadline_s < 2 * WAIT_S:
+            task = asyncio.create_task(batcher.submit(_row(), time.monotonic() + deadline_s))
+        else:
+            task = _submit(batcher, streamed)
+        scored = await _done_within(task, PROMPT_TURNS)
         await batcher.close(1.0)
-        return taken
+        assert (await task).engine == "fake"
+        return scored
 
-    return asyncio.run(turns())
+    return asyncio.run(prompt())
 
 
 @pytest.mark.usefixtures("probe_every_batch")
 def test_stream_messages_never_wait_for_company():
-    assert _turns_for_one(3600, streamed=True) < GATHER_TURNS
-    assert _turns_for_one(3600, streamed=False) > GATHER_TURNS
+    assert _prompt(streamed=True)
+    assert not _prompt(streamed=False)
 
 
 @pytest.mark.usefixtures("probe_every_batch")
-def test_a_request_near_its_deadline_does_not_wait():
-    # The longest wait (an hour) would leave no room before the deadline (a minute).
-    assert _turns_for_one(60, gather_max_s=3600.0) < GATHER_TURNS
+def test_a_request_whose_deadline_leaves_no_room_does_not_wait():
+    # The wait (an hour) would leave no room before the deadline (a minute).
+    assert _prompt(deadline_s=60.0)
 
 
-@pytest.mark.usefixtures("probe_every_batch")
-def test_a_gather_ends_after_its_longest_wait():
-    async def batches_of() -> list[int]:
-        batches: list[int] = []
-        # No time to wait at all: requests turns apart are batches of their own again.
-        batcher = _batcher(batches, gather_max_s=0.0)
-        batcher.start()
-        await _arriving_turn_by_turn(batcher, 3, gap_turns=3)
-        await batcher.close(1.0)
-        return batches
-
-    assert asyncio.run(batches_of()) == [1, 1, 1]
+def test_light_load_never_waits():
+    # Before any wait has brought company, a lone request on an idle engine runs at once.
+    assert _prompt()
