@@ -27,9 +27,12 @@ new call at a time, several turns apart, so without the wait every unary call on
 was a batch of one: at 16 closed-loop callers 97 % of batches held one row, and each paid the
 engine's fixed cost and the per-batch work alone. Waiting by spinning the loop instead (a turn
 at a time) batched as well on an idle machine, but on one short of CPU the spinning thread
-starved the poller thread and throughput halved. No batch waits where recent waits brought no
-company (light load: one probe in 256 batches then), where the earliest deadline has no room
-for it, or for stream messages (`ARRIVES_ALONE`), which many streams deliver in the same turn.
+starved the poller thread and throughput halved. A wait ends early once as many requests are
+queued as the last one gathered: closed-loop callers send nothing more until answered, and the
+selector would wake the loop only to the millisecond. No batch waits where recent waits
+brought no company (light load: one probe in 256 batches then), where the earliest deadline
+has no room for it, or for stream messages (`ARRIVES_ALONE`), which many streams deliver in
+the same turn.
 
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
@@ -234,21 +237,34 @@ ARRIVES_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class _Gather:
     """The wait for company of the next batch the event loop runs, and how recent ones went."""
 
-    __slots__ = ("rows", "since_probe", "started", "worth")
+    __slots__ = ("expected", "rows", "since_probe", "started", "started_at", "worth")
 
     def __init__(self) -> None:
         self.started = False  # whether a batch is waiting now
+        self.started_at = 0.0  # monotonic seconds
         self.rows = 0  # rows queued when the wait began
         # Recent waits that brought company, each counting half as much as the next one.
         self.worth = 0.0
         self.since_probe = 0  # batches started without a wait since the last one
+        # The rows the last wait gathered: a wait ends as soon as that many are queued, since
+        # closed-loop callers send no more until answered (0: it waits its whole time).
+        self.expected = 0
 
-    def start(self, rows: int) -> None:
-        self.started, self.rows, self.since_probe = True, rows, 0
+    def start(self, rows: int, now: float) -> None:
+        self.started, self.started_at, self.rows, self.since_probe = True, now, rows, 0
 
-    def end(self, rows: int) -> None:
-        self.worth = (self.worth + (rows > self.rows)) / 2
+    def end(self, rows: int, early: bool, window_s: float) -> None:
+        """The wait is over with `rows` queued, `early` when it reached the expected rows."""
+        found = rows > self.rows
+        self.worth = (self.worth + found) / 2
+        if not early:
+            self.expected = rows if found else 0
+        elif time.monotonic() - self.started_at < window_s / 4:
+            self.expected = max(self.expected, rows) + 1  # it came fast: there may be more
         self.started = False
+
+    def ends_early(self, rows: int) -> bool:
+        return self.started and 0 < self.expected <= rows
 
 
 class MicroBatcher:
@@ -276,6 +292,7 @@ class MicroBatcher:
         self._inline_max_s = inline_max_s
         self._gather_s = gather_s
         self._gather = _Gather()
+        self._gather_early = False
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
         self._workers_n = workers
@@ -491,9 +508,13 @@ class MicroBatcher:
                     # Decided later in this turn of the loop, so the requests ready now join in.
                     self._scheduled = self._loop.call_soon(self._dispatch_next)
                 elif self._gather.started and (
-                    self._queued_rows >= self.max_batch_rows or self._closing
+                    self._queued_rows >= self.max_batch_rows
+                    or self._closing
+                    or self._gather.ends_early(self._queued_rows)
                 ):
-                    # A full batch waits for no more company, nor one the server is closing.
+                    # A full batch waits for no more company, nor one the server is closing,
+                    # nor one whose expected company came.
+                    self._gather_early = True
                     self._scheduled.cancel()
                     self._scheduled = self._loop.call_soon(self._dispatch_next)
                 return
@@ -536,8 +557,8 @@ class MicroBatcher:
         Called when the batch would start: a wait begins here, and its timer calls back here.
         """
         gather = self._gather
-        if gather.started:  # the wait is over
-            gather.end(self._queued_rows)
+        if gather.started:  # the wait is over: its time has passed, or its company came
+            gather.end(self._queued_rows, self._gather_early, self._gather_s)
             return 0.0
         heap = self._heap
         # Company is already there, or none would come one at a time.
@@ -551,7 +572,8 @@ class MicroBatcher:
         room_s = head.deadline - time.monotonic() - self._gather_s
         if room_s <= self.time_model.estimate_s(self._queued_cells(head.history_length)):
             return 0.0
-        gather.start(self._queued_rows)
+        gather.start(self._queued_rows, time.monotonic())
+        self._gather_early = False
         return self._gather_s
 
     def _queued_cells(self, history_length: int) -> float:

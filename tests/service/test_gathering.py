@@ -128,3 +128,27 @@ def test_a_request_whose_deadline_leaves_no_room_does_not_wait():
 def test_light_load_never_waits():
     # Before any wait has brought company, a lone request on an idle engine runs at once.
     assert _prompt()
+
+
+@pytest.mark.usefixtures("probe_every_batch")
+def test_a_wait_ends_once_the_company_the_last_one_found_has_come():
+    """Closed-loop callers send nothing more until answered: once as many requests as the last
+    wait gathered are queued, the batch starts without waiting out its time."""
+
+    async def second_pair_prompt() -> tuple[list[int], bool]:
+        batches: list[int] = []
+        batcher = _batcher(batches, gather_s=1.0)
+        batcher.start()
+        first = _submit(batcher)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await asyncio.gather(first, _submit(batcher))  # waits out its second: 2 rows came
+        third = _submit(batcher)
+        for _ in range(3):
+            await asyncio.sleep(0)
+        fourth = _submit(batcher)
+        prompt = await _done_within(asyncio.gather(third, fourth), PROMPT_TURNS)
+        await batcher.close(1.0)
+        return batches, prompt
+
+    assert asyncio.run(second_pair_prompt()) == ([2, 2], True)
