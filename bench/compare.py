@@ -10,7 +10,8 @@ Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH
 ``riskserve-2proc`` (two server processes on one port), ``riskserve-threaded`` (every batch on an
 engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
 ``riskserve-threaded-si500`` (the same with RISKSERVE_SWITCH_INTERVAL_US=500),
-``riskserve-nogather`` (no batch waits for company, RISKSERVE_GATHER_US=0) and
+``riskserve-gather`` (a batch started alone waits up to 1 ms for company,
+RISKSERVE_GATHER_US=1000) and
 ``grpc-floor``: one grpc.aio server
 process that answers ModelInfer with zeros and does no other work (bench.rpc_floor), so a run
 shows how much of a peer's lead a Python gRPC server gives away before it does any work.
@@ -126,8 +127,8 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         env["RISKSERVE_ENGINE_INLINE_MAX_US"] = "0"
     if name.endswith("-si500"):
         env["RISKSERVE_SWITCH_INTERVAL_US"] = "500"
-    if name == "riskserve-nogather":
-        env["RISKSERVE_GATHER_US"] = "0"
+    if name == "riskserve-gather":
+        env["RISKSERVE_GATHER_US"] = "1000"
     return ServerSpec(
         name=name,
         argv=(str(RISKSERVE_BIN), "serve", "--port", str(port)),

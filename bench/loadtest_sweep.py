@@ -74,8 +74,8 @@ def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
     }
     if config != "1-process":
         env["RISKSERVE_PROCESSES"] = config.split("-", 1)[0]  # "auto", or "2" of "2-processes"
-    if config.endswith("-nogather"):
-        env["RISKSERVE_GATHER_US"] = "0"  # no batch waits for company
+    if config.endswith("-gather"):
+        env["RISKSERVE_GATHER_US"] = "1000"  # a batch started alone waits for company
     argv = (str(RISKSERVE), "serve", "--port", str(port))
     return ServerSpec(config, argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
 
@@ -129,7 +129,7 @@ def _number(row: dict[str, str], key: str) -> float:
 
 
 def _processes(config: str) -> int:
-    config = config.removesuffix("-nogather")
+    config = config.removesuffix("-gather")
     if config == "1-process":
         return 1
     if config == "auto":
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         default="1-process,auto",
         help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), each "
-        "with -nogather appended for RISKSERVE_GATHER_US=0; comma-separated",
+        "with -gather appended for RISKSERVE_GATHER_US=1000; comma-separated",
     )
     parser.add_argument(
         "--locust-processes", type=int, default=1, help="locust processes (its --processes)"

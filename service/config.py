@@ -69,10 +69,11 @@ class Settings(BaseSettings):
         "an engine thread (engines that cannot hang only); 0 = every batch on an engine thread.",
     )
     gather_us: int = Field(
-        1000,
+        0,
         ge=0,
         description="How long a batch the event loop would start with one unary request waits "
-        "for more, where recent waits found company; 0 = never waits.",
+        "for more, where recent waits found company (helps many closed-loop callers, costs "
+        "open-loop traffic latency); 0 = never waits.",
     )
     engine_workers: int = Field(
         0, ge=0, description="Batches in flight per model; 0 = half the CPU cores (1 to 4)."

@@ -20,20 +20,6 @@ with 16 to 64 perf_analyzer callers, but `make loadtest`'s mix at 800 requests a
 shed 18 % of its requests instead of under 0.1 %. Each report back waited for the GIL while
 the loop ran Python, and those waits entered the engine-time model.
 
-A batch the loop would start with a single unary request first waits `gather_s` (1 ms by
-default) for company, on a timer: the loop blocks in its selector meanwhile, so gRPC's poller
-thread hands it every call that arrives, and each joins the queue. grpc.aio hands the loop one
-new call at a time, several turns apart, so without the wait every unary call on a busy server
-was a batch of one: at 16 closed-loop callers 97 % of batches held one row, and each paid the
-engine's fixed cost and the per-batch work alone. Waiting by spinning the loop instead (a turn
-at a time) batched as well on an idle machine, but on one short of CPU the spinning thread
-starved the poller thread and throughput halved. A wait ends early once as many requests are
-queued as the last one gathered: closed-loop callers send nothing more until answered, and the
-selector would wake the loop only to the millisecond. No batch waits where recent waits
-brought no company (light load: one probe in 256 batches then), where the earliest deadline
-has no room for it, or for stream messages (`ARRIVES_ALONE`), which many streams deliver in
-the same turn.
-
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
 stop the whole server. Longer batches (long histories, big batches, slow engines) go to the
@@ -41,6 +27,23 @@ engine threads, so the loop keeps admitting, queueing and shedding while they ru
 is a thread of its own that runs one merged batch at a time. Dispatch happens on the event
 loop, in the call that queued a request or in the callback that reports a finished batch: no
 task wakes up to look at the queue, and a batch crosses threads once each way.
+
+Where `gather_s` is set (`RISKSERVE_GATHER_US`; off by default), a batch the loop would start
+with a single unary request first waits that long for company, on a timer: the loop blocks in
+its selector meanwhile, so gRPC's poller thread hands it every call that arrives, and each joins
+the queue. grpc.aio hands the loop one new call at a time, several turns apart, so without the
+wait every unary call on a busy server was a batch of one: at 16 closed-loop callers 97 % of
+batches held one row, and each paid the engine's fixed cost and the per-batch work alone.
+Waiting by spinning the loop instead (a turn at a time) batched as well on an idle machine, but
+on one short of CPU the spinning thread starved the poller thread and throughput halved. A wait
+ends early once as many requests are queued as the last one gathered: closed-loop callers send
+nothing more until answered, and the selector would wake the loop only to the millisecond. No
+batch waits where recent waits brought no company (light load: one probe in 256 batches then),
+where the earliest deadline has no room for it, or for stream messages (`ARRIVES_ALONE`), which
+many streams deliver in the same turn. It is off by default because open-loop traffic loses by
+it: with 1 ms waits `make loadtest`'s mix at 600 and 800 requests a second shed 26 and 1,359
+requests against 0 and 78, though 16 and 64 closed-loop callers got 9 % more answers for 11 to
+13 % less CPU.
 """
 
 from __future__ import annotations
@@ -216,8 +219,8 @@ _MAX_DEFERRED = 16
 # estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
 # 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
-# How long a batch started alone waits for company (see the module's notes).
-GATHER_S = 0.001
+# How long a batch started alone waits for company (see the module's notes); off by default.
+GATHER_S = 0.0
 # Batches gather while `_Gather.worth` stays above this: after a gather that brought company,
 # until two in a row brought none.
 _GATHER_WORTH = 0.2
