@@ -221,10 +221,10 @@ _MAX_DEFERRED = 16
 INLINE_MAX_S = 0.003
 # How long a batch started alone waits for company (see the module's notes); off by default.
 GATHER_S = 0.0
-# Batches gather while `_Gather.worth` stays above this: after a gather that brought company,
-# until two in a row brought none.
+# Batches wait for company while `_Gather.worth` stays above this: after a wait that brought
+# company, until two in a row brought none.
 _GATHER_WORTH = 0.2
-# Where gathers stopped bringing company, one batch in this many gathers anyway, so that a load
+# Where waits stopped bringing company, one batch in this many waits anyway, so that a load
 # that rises is noticed.
 _GATHER_PROBE_EVERY = 256
 
