@@ -7,8 +7,12 @@ import time
 
 import numpy as np
 import pytest
+from liveserver import LiveServer
+from modelkit import write_sequence_model
 
 import service.batching.batcher as batcher_module
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batching.batcher import ARRIVES_ALONE, MicroBatcher, Scored
 from service.batching.rows import RowBatch
 
@@ -152,3 +156,28 @@ def test_a_wait_ends_once_the_company_the_last_one_found_has_come():
         return batches, prompt
 
     assert asyncio.run(second_pair_prompt()) == ([2, 2], True)
+
+
+def test_stream_messages_on_a_live_server_never_wait(tmp_path, monkeypatch):
+    """A server whose unary requests would wait half a minute for company answers a stream's
+    messages without a wait: the stream's reader marks them as arriving many at a time."""
+    monkeypatch.setattr(batcher_module, "_GATHER_PROBE_EVERY", 1)
+    write_sequence_model(tmp_path)
+    server = LiveServer(
+        models_dir=tmp_path, default_model="seq-mini", budget_ms=120_000, gather_us=30_000_000
+    )
+    messages = [
+        pb.ScoreRequest(
+            request_id=f"s{i}",
+            features={f"x{j}": 0.1 * j for j in range(4)},
+            history=[pb.HistoryRow(values=[0.5, 1.0, -1.0])] * 2,
+        )
+        for i in range(3)
+    ]
+    with server, server.channel() as channel:
+        # The call's 60 s leave each message room for the wait: only the mark prevents it.
+        replies = list(pb_grpc.RiskScoringStub(channel).ScoreStream(iter(messages), timeout=60))
+        assert server.server is not None
+        gather = server.server.registry.get("seq-mini").batcher._gather
+    assert sorted(r.request_id for r in replies) == ["s0", "s1", "s2"]
+    assert gather.started_at == 0.0  # no wait ever began
