@@ -240,11 +240,12 @@ ARRIVES_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class _Gather:
     """The wait for company of the next batch the event loop runs, and how recent ones went."""
 
-    __slots__ = ("expected", "rows", "since_probe", "started", "started_at", "worth")
+    __slots__ = ("early", "expected", "rows", "since_probe", "started", "started_at", "worth")
 
     def __init__(self) -> None:
         self.started = False  # whether a batch is waiting now
         self.started_at = 0.0  # monotonic seconds
+        self.early = False  # whether the wait is cut short (its company came, or closing)
         self.rows = 0  # rows queued when the wait began
         # Recent waits that brought company, each counting half as much as the next one.
         self.worth = 0.0
@@ -255,12 +256,13 @@ class _Gather:
 
     def start(self, rows: int, now: float) -> None:
         self.started, self.started_at, self.rows, self.since_probe = True, now, rows, 0
+        self.early = False
 
-    def end(self, rows: int, early: bool, window_s: float) -> None:
-        """The wait is over with `rows` queued, `early` when it reached the expected rows."""
+    def end(self, rows: int, window_s: float) -> None:
+        """The wait is over with `rows` queued: its time passed, or it was cut short."""
         found = rows > self.rows
         self.worth = (self.worth + found) / 2
-        if not early:
+        if not self.early:
             self.expected = rows if found else 0
         elif time.monotonic() - self.started_at < window_s / 4:
             self.expected = max(self.expected, rows) + 1  # it came fast: there may be more
@@ -295,7 +297,6 @@ class MicroBatcher:
         self._inline_max_s = inline_max_s
         self._gather_s = gather_s
         self._gather = _Gather()
-        self._gather_early = False
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
         self._workers_n = workers
@@ -517,7 +518,7 @@ class MicroBatcher:
                 ):
                     # A full batch waits for no more company, nor one the server is closing,
                     # nor one whose expected company came.
-                    self._gather_early = True
+                    self._gather.early = True
                     self._scheduled.cancel()
                     self._scheduled = self._loop.call_soon(self._dispatch_next)
                 return
@@ -561,7 +562,7 @@ class MicroBatcher:
         """
         gather = self._gather
         if gather.started:  # the wait is over: its time has passed, or its company came
-            gather.end(self._queued_rows, self._gather_early, self._gather_s)
+            gather.end(self._queued_rows, self._gather_s)
             return 0.0
         heap = self._heap
         # Company is already there, or none would come one at a time.
@@ -571,12 +572,12 @@ class MicroBatcher:
         if gather.worth <= _GATHER_WORTH and gather.since_probe < _GATHER_PROBE_EVERY:
             return 0.0
         head = heap[0]
+        now = time.monotonic()
         # The earliest deadline keeps room for the wait and then its batch's run.
-        room_s = head.deadline - time.monotonic() - self._gather_s
+        room_s = head.deadline - now - self._gather_s
         if room_s <= self.time_model.estimate_s(self._queued_cells(head.history_length)):
             return 0.0
-        gather.start(self._queued_rows, time.monotonic())
-        self._gather_early = False
+        gather.start(self._queued_rows, now)
         return self._gather_s
 
     def _queued_cells(self, history_length: int) -> float:
