@@ -11,10 +11,11 @@ Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH
 engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
 ``riskserve-threaded-si500`` (the same with RISKSERVE_SWITCH_INTERVAL_US=500),
 ``riskserve-gather`` (a batch started alone waits up to 1 ms for company,
-RISKSERVE_GATHER_US=1000) and
+RISKSERVE_GATHER_US=1000),
 ``grpc-floor``: one grpc.aio server
 process that answers ModelInfer with zeros and does no other work (bench.rpc_floor), so a run
-shows how much of a peer's lead a Python gRPC server gives away before it does any work.
+shows how much of a peer's lead a Python gRPC server gives away before it does any work, and
+``grpc-floor-sync``: the same on gRPC's thread-pool server.
 Clients: ``loadgen`` (Python, open-loop Poisson and closed loop) or ``perf_analyzer`` (C++,
 lower CPU; MLServer lacks the ModelConfig call it needs, so MLServer falls back to loadgen and
 its rows say so). The client shares the cores with the server.
@@ -58,6 +59,8 @@ WORK_DIR = REPO_ROOT / "bench" / ".peers" / "work"
 RISKSERVE_BIN = REPO_ROOT / ".venv" / "bin" / "riskserve"
 PEERS = ("triton", "mlserver")
 FLOOR = "grpc-floor"
+FLOOR_SYNC = "grpc-floor-sync"
+FLOORS = (FLOOR, FLOOR_SYNC)
 ALL_SERVERS = ("riskserve", "riskserve-nobatch", *PEERS)
 
 
@@ -150,8 +153,8 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
             intra_op_num_threads=knobs.intra_op_threads,
         )
         return triton_spec(onnx_path, WORK_DIR / "triton", config, free_port())
-    if name == FLOOR:
-        return replace(echo_spec(free_port()), name=FLOOR)
+    if name in FLOORS:
+        return replace(echo_spec(free_port(), sync=name == FLOOR_SYNC), name=name)
     if name == "mlserver":
         mlserver = MLServerConfig(
             max_batch_size=knobs.max_batch_size,
@@ -159,7 +162,7 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
             intra_op_num_threads=knobs.intra_op_threads,
         )
         return mlserver_spec(onnx_path, WORK_DIR / "mlserver", mlserver, free_port())
-    raise ValueError(f"unknown server {name!r}; known: {', '.join((*ALL_SERVERS, FLOOR))}")
+    raise ValueError(f"unknown server {name!r}; known: {', '.join((*ALL_SERVERS, *FLOORS))}")
 
 
 def _run_one(name: str, args: argparse.Namespace, onnx_path: Path, knobs: Knobs) -> dict:
@@ -335,7 +338,7 @@ def summarize(records: Sequence[dict], args: argparse.Namespace) -> dict:
     ratios = {}
     # riskserve against each peer, batching on against off (riskserve / riskserve-nobatch), and
     # the do-nothing gRPC server against riskserve and the peers.
-    pairs = [(ours, peer) for ours in ("riskserve", "riskserve-nobatch", FLOOR) for peer in PEERS]
+    pairs = [(ours, peer) for ours in ("riskserve", "riskserve-nobatch", *FLOORS) for peer in PEERS]
     for ours, peer in [*pairs, ("riskserve", "riskserve-nobatch"), ("riskserve", FLOOR)]:
         if ours not in rows or peer not in rows:
             continue
@@ -503,11 +506,11 @@ def main(argv: list[str] | None = None) -> int:
         records.append(_run_one(name, args, onnx_path, knobs))
         time.sleep(1.0)
     summary = summarize(records, args)
-    # The floor answers zeros by design: only servers that run the model are compared.
+    # The floors answer zeros by design: only servers that run the model are compared.
     scores = {
         r["server"]: r["warmup_score"]
         for r in records
-        if "warmup_score" in r and r["server"] != FLOOR
+        if "warmup_score" in r and r["server"] not in FLOORS
     }
     if scores and max(scores.values()) - min(scores.values()) > 1e-3:
         print(f"WARNING: the servers scored the same request differently: {scores}")
