@@ -1,10 +1,12 @@
 """`make loadtest`'s traffic mix at rising offered rates: the highest rate the service holds.
 
 For each server configuration (one process, or one per core) a riskserve server is started on
-127.0.0.1 with its defaults (tracing and metrics on), then locust runs the load test's own mix
-(loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8, long histories,
-ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the same machine, in
-`--locust-processes` locust processes (default one). Per rate it prints what locust
+127.0.0.1 with its defaults (tracing and metrics on), or for `floor` the do-nothing server
+(bench.rpc_floor: a fixed score for every valid request, so the same mix measures what the
+transport and locust cost on the machine before any scoring), then locust runs the load
+test's own mix (loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8,
+long histories, ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the
+same machine, in `--locust-processes` locust processes (default one). Per rate it prints what locust
 measured (requests, failures, p50, p99, each call timed from when its task was due), the
 server's own p50 and p99 (the bounds of the buckets of its request-duration histogram they fall
 in), its CPU per request (its whole process group, from /proc), locust's CPU per request and
@@ -28,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from bench.rpc_floor import echo_spec
 from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
 from service.telemetry.stats import parse_stage_buckets
 
@@ -38,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 LOCUST = REPO / ".venv" / "bin" / "locust"
 RISKSERVE = REPO / ".venv" / "bin" / "riskserve"
 RPS_PER_USER = 10
+FLOOR = "floor"
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class Point:
     server_p50_ms: float = math.nan
     server_p99_ms: float = math.nan
     locust_cpu_us_per_request: float = math.nan
+    # The server's engine time (its engine-duration histogram's sum) per request: how much of
+    # its CPU the model itself took.
+    server_engine_us_per_request: float = math.nan
 
     @property
     def clean(self) -> bool:
@@ -65,6 +72,9 @@ class Point:
 def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
     # The metrics ports of N processes are N consecutive ports from the first.
     port, metrics_port = free_port(), free_port()
+    if config == FLOOR:
+        # It serves no metrics: the server columns stay empty.
+        return replace(echo_spec(port), name=FLOOR), metrics_port
     env = {
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_METRICS_PORT": str(metrics_port),
@@ -130,31 +140,33 @@ def _number(row: dict[str, str], key: str) -> float:
 
 def _processes(config: str) -> int:
     config = config.removesuffix("-gather")
-    if config == "1-process":
+    if config in ("1-process", FLOOR):
         return 1
     if config == "auto":
         return len(os.sched_getaffinity(0)) or 1
     return int(config.split("-", 1)[0])
 
 
-def _server_counts(metrics_port: int, processes: int) -> tuple[float, dict[float, float]]:
+def _server_counts(metrics_port: int, processes: int) -> tuple[float, float, dict[float, float]]:
     """From one scrape of every server process (each serves metrics on its own port: the first
-    on `metrics_port`, the next one up, and so on): the requests shed so far, and the requests
-    so far at or under each bound (s) of the request-duration histogram, summed over methods
-    and models. NaN and no buckets where a scrape fails (a slow server)."""
-    shed = 0.0
+    on `metrics_port`, the next one up, and so on): the requests shed so far, the engine
+    seconds so far, and the requests so far at or under each bound (s) of the request-duration
+    histogram, summed over methods and models. NaN and no buckets where a scrape fails (a slow
+    server, or the floor, which serves no metrics)."""
+    shed = engine_s = 0.0
     buckets: dict[float, float] = {}
     try:
         for i in range(processes):
             text = scrape_metrics(metrics_port + i)
             shed += metric_sum(text, "riskserve_shed_total")
+            engine_s += metric_sum(text, "riskserve_engine_duration_seconds_sum")
             requests = parse_stage_buckets(text).get("end_to_end")
             if requests is not None:
                 for bound, count in zip(requests.upper_bounds_s, requests.cumulative, strict=True):
                     buckets[bound] = buckets.get(bound, 0.0) + count
     except Exception:
-        return math.nan, {}
-    return shed, buckets
+        return math.nan, math.nan, {}
+    return shed, engine_s, buckets
 
 
 def _bucket_quantile_ms(before: dict[float, float], after: dict[float, float], q: float) -> float:
@@ -185,12 +197,12 @@ def sweep(
             for rate in rates:
                 prefix = Path(tmp) / f"{config}-{rate:g}"
                 cpu_before = server.cpu_seconds()
-                shed_before, buckets_before = _server_counts(metrics_port, processes)
+                shed_before, engine_before, buckets_before = _server_counts(metrics_port, processes)
                 started = time.monotonic()
                 locust_cpu_s = _locust(server.target, rate, duration_s, prefix, locust_processes)
                 elapsed_s = time.monotonic() - started
                 cpu_s = server.cpu_seconds() - cpu_before
-                shed, buckets = _server_counts(metrics_port, processes)
+                shed, engine_s, buckets = _server_counts(metrics_port, processes)
                 row = _aggregated(prefix)
                 requests = int(_number(row, "Request Count"))
                 point = Point(
@@ -206,6 +218,7 @@ def sweep(
                     _bucket_quantile_ms(buckets_before, buckets, 0.50),
                     _bucket_quantile_ms(buckets_before, buckets, 0.99),
                     locust_cpu_s * 1e6 / requests if requests else math.nan,
+                    (engine_s - engine_before) * 1e6 / requests if requests else math.nan,
                 )
                 points.append(point)
                 print(_line(point), f"({elapsed_s:.0f} s)", flush=True)
@@ -217,23 +230,36 @@ def _line(p: Point) -> str:
         f"  {p.config:<12} offered {p.offered_rps:>6g}/s  got {p.achieved_rps:>7.1f}/s  "
         f"failures {p.failures:>5} of {p.requests:>6}  p50 {p.p50_ms:>5g} ms  "
         f"p99 {p.p99_ms:>5g} ms  server p50 <= {p.server_p50_ms:g} ms, p99 <= "
-        f"{p.server_p99_ms:g} ms, {p.server_cpu_us_per_request:>5.0f} us CPU/req  shed {p.shed:g}  "
+        f"{p.server_p99_ms:g} ms, {p.server_cpu_us_per_request:>5.0f} us CPU/req (engine "
+        f"{p.server_engine_us_per_request:.0f})  shed {p.shed:g}  "
         f"locust {p.locust_cpu_us_per_request:>5.0f} us CPU/req"
     )
+
+
+def _server_quantiles(p: Point) -> str:
+    if math.isnan(p.server_p50_ms):
+        return "—"
+    return f"≤ {p.server_p50_ms:g} / ≤ {p.server_p99_ms:g}"
+
+
+def _us(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:,.0f} µs"
 
 
 def report(points: list[Point], budget_ms: float) -> None:
     print()
     print(
         "| server | offered req/s | failures | locust p50 ms | locust p99 ms "
-        "| server p50 / p99 ms (bucket bound) | server CPU / request | locust CPU / request |"
+        "| server p50 / p99 ms (bucket bound) | server CPU / request | of it the engine "
+        "| locust CPU / request |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for p in points:
         print(
             f"| {p.config} | {p.offered_rps:g} | {p.failures:,} of {p.requests:,} | {p.p50_ms:g} | "
-            f"{p.p99_ms:g} | ≤ {p.server_p50_ms:g} / ≤ {p.server_p99_ms:g} | "
-            f"{p.server_cpu_us_per_request:,.0f} µs | {p.locust_cpu_us_per_request:,.0f} µs |"
+            f"{p.p99_ms:g} | {_server_quantiles(p)} | "
+            f"{p.server_cpu_us_per_request:,.0f} µs | {_us(p.server_engine_us_per_request)} | "
+            f"{p.locust_cpu_us_per_request:,.0f} µs |"
         )
     print()
     for config in dict.fromkeys(p.config for p in points):
@@ -257,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         default="1-process,auto",
         help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), each "
-        "with -gather appended for RISKSERVE_GATHER_US=1000; comma-separated",
+        "with -gather appended for RISKSERVE_GATHER_US=1000, or floor (the do-nothing server); "
+        "comma-separated",
     )
     parser.add_argument(
         "--locust-processes", type=int, default=1, help="locust processes (its --processes)"
