@@ -350,6 +350,11 @@ class GrpcUser(User):
             ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.lb_policy_name", "round_robin"),
+            # A connection of its own: gRPC otherwise shares one among every channel of the
+            # process with the same target and options, so all users would send on one
+            # connection, and every call would reach one process of a server that runs one
+            # per core (SO_REUSEPORT spreads connections, not calls).
+            ("grpc.use_local_subchannel_pool", 1),
         ]
         if tls or ca_path:
             roots = None
