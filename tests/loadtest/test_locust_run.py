@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from waiting import wait_until
@@ -129,6 +130,36 @@ def test_locust_mix_from_two_processes(tmp_path: Path) -> None:
     with _server(command, port, tmp_path / "server.log") as target:
         status, rows = _locust(target, tmp_path / "run", run_time_s=5, extra=workers)
     _assert_clean_mix(status, rows)
+
+
+def test_each_user_calls_on_a_connection_of_its_own(tmp_path: Path) -> None:
+    """As callers from many hosts do: a server running one process per core spreads
+    connections over its processes (SO_REUSEPORT), not calls."""
+    port = _free_port()
+    command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
+    run = [
+        str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "-u", "10", "-r", "10",
+        "--rps-per-user", "5", "--run-time", "60s", "--only-summary",
+    ]  # fmt: skip
+    with _server(command, port, tmp_path / "server.log") as target:
+        locust = subprocess.Popen(
+            [*run, "--host", target], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_until(lambda: locust.poll() is not None or _connections_to(port) >= 10, 60)
+            assert locust.poll() is None, "locust ended before its users had connected"
+        finally:
+            locust.terminate()
+            locust.wait(timeout=30)
+
+
+def _connections_to(port: int) -> int:
+    """Established TCP connections whose far end is 127.0.0.1:`port`."""
+    return sum(
+        1
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED and c.raddr and c.raddr.port == port
+    )
 
 
 def test_invalid_requests_answered_ok_are_failures(tmp_path: Path) -> None:
