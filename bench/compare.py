@@ -14,8 +14,9 @@ engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
 RISKSERVE_GATHER_US=1000),
 ``grpc-floor``: one grpc.aio server
 process that answers ModelInfer with zeros and does no other work (bench.rpc_floor), so a run
-shows how much of a peer's lead a Python gRPC server gives away before it does any work, and
-``grpc-floor-sync``: the same on gRPC's thread-pool server.
+shows how much of a peer's lead a Python gRPC server gives away before it does any work,
+``grpc-floor-sync``: the same on gRPC's thread-pool server, and ``grpc-floor-engine``: the
+grpc.aio one running the model on each request's rows and nothing else.
 Clients: ``loadgen`` (Python, open-loop Poisson and closed loop) or ``perf_analyzer`` (C++,
 lower CPU; MLServer lacks the ModelConfig call it needs, so MLServer falls back to loadgen and
 its rows say so). The client shares the cores with the server.
@@ -60,7 +61,8 @@ RISKSERVE_BIN = REPO_ROOT / ".venv" / "bin" / "riskserve"
 PEERS = ("triton", "mlserver")
 FLOOR = "grpc-floor"
 FLOOR_SYNC = "grpc-floor-sync"
-FLOORS = (FLOOR, FLOOR_SYNC)
+FLOOR_ENGINE = "grpc-floor-engine"
+FLOORS = (FLOOR, FLOOR_SYNC, FLOOR_ENGINE)
 ALL_SERVERS = ("riskserve", "riskserve-nobatch", *PEERS)
 
 
@@ -154,7 +156,8 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         )
         return triton_spec(onnx_path, WORK_DIR / "triton", config, free_port())
     if name in FLOORS:
-        return replace(echo_spec(free_port(), sync=name == FLOOR_SYNC), name=name)
+        spec = echo_spec(free_port(), sync=name == FLOOR_SYNC, engine=name == FLOOR_ENGINE)
+        return replace(spec, name=name)
     if name == "mlserver":
         mlserver = MLServerConfig(
             max_batch_size=knobs.max_batch_size,
@@ -506,11 +509,11 @@ def main(argv: list[str] | None = None) -> int:
         records.append(_run_one(name, args, onnx_path, knobs))
         time.sleep(1.0)
     summary = summarize(records, args)
-    # The floors answer zeros by design: only servers that run the model are compared.
+    # The do-nothing floors answer zeros by design: only servers that run the model are compared.
     scores = {
         r["server"]: r["warmup_score"]
         for r in records
-        if "warmup_score" in r and r["server"] not in FLOORS
+        if "warmup_score" in r and r["server"] not in (FLOOR, FLOOR_SYNC)
     }
     if scores and max(scores.values()) - min(scores.values()) > 1e-3:
         print(f"WARNING: the servers scored the same request differently: {scores}")

@@ -3,7 +3,8 @@
 For each server configuration (one process, or one per core) a riskserve server is started on
 127.0.0.1 with its defaults (tracing and metrics on), or for `floor` the do-nothing server
 (bench.rpc_floor: a fixed score for every valid request, so the same mix measures what the
-transport and locust cost on the machine before any scoring), then locust runs the load
+transport and locust cost on the machine before any scoring), or for `floor-engine` that
+server running the model on each request's own rows and nothing else, then locust runs the load
 test's own mix (loadtest/locustfile.py: Score with 4 to 64 history rows, ScoreBatch of 2 to 8,
 long histories, ModelInfer, invalid requests) at each offered rate for `--duration-s`, on the
 same machine, in `--locust-processes` locust processes (default one). Per rate it prints what locust
@@ -42,6 +43,7 @@ LOCUST = REPO / ".venv" / "bin" / "locust"
 RISKSERVE = REPO / ".venv" / "bin" / "riskserve"
 RPS_PER_USER = 10
 FLOOR = "floor"
+FLOOR_ENGINE = "floor-engine"
 
 
 @dataclass(frozen=True)
@@ -72,9 +74,10 @@ class Point:
 def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
     # The metrics ports of N processes are N consecutive ports from the first.
     port, metrics_port = free_port(), free_port()
-    if config == FLOOR:
+    if config in (FLOOR, FLOOR_ENGINE):
         # It serves no metrics: the server columns stay empty.
-        return replace(echo_spec(port), name=FLOOR), metrics_port
+        spec = echo_spec(port, engine=config == FLOOR_ENGINE)
+        return replace(spec, name=config), metrics_port
     env = {
         "RISKSERVE_PORT": str(port),
         "RISKSERVE_METRICS_PORT": str(metrics_port),
@@ -140,7 +143,7 @@ def _number(row: dict[str, str], key: str) -> float:
 
 def _processes(config: str) -> int:
     config = config.removesuffix("-gather")
-    if config in ("1-process", FLOOR):
+    if config in ("1-process", FLOOR, FLOOR_ENGINE):
         return 1
     if config == "auto":
         return len(os.sched_getaffinity(0)) or 1
@@ -283,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         default="1-process,auto",
         help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), each "
-        "with -gather appended for RISKSERVE_GATHER_US=1000, or floor (the do-nothing server); "
-        "comma-separated",
+        "with -gather appended for RISKSERVE_GATHER_US=1000, floor (the do-nothing server) or "
+        "floor-engine (it running the model on each request alone); comma-separated",
     )
     parser.add_argument(
         "--locust-processes", type=int, default=1, help="locust processes (its --processes)"

@@ -11,9 +11,13 @@ fixed score, so that `make loadtest`'s mix can run against it (`bench.loadtest_s
 an unknown feature or a NaN with INVALID_ARGUMENT as the mix expects.
 
 `grpc-floor-sync` is the same servicer on gRPC's other Python server, `grpc.server` with a
-thread pool. `bench.compare` and `bench.streaming` start them by these names; alone:
+thread pool. `grpc-floor-engine` adds the bare engine to the bare transport: it scores each
+request's own rows with the demo model in ONNX Runtime (one thread, as riskserve's sessions),
+on the event loop, and nothing more (no batching across requests, no deadlines, metrics or
+traces, no range checks). `bench.compare` and `bench.streaming` start them by these names;
+alone:
 
-    .venv/bin/python -m bench.rpc_floor --grpc-port 8011 [--sync]
+    .venv/bin/python -m bench.rpc_floor --grpc-port 8011 [--sync | --engine]
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent import futures
+from typing import Any
 
 import grpc
+import numpy as np
 
 from bench.model_io import DEMO_MODEL_PATH, REPO_ROOT, ModelIO, read_model_io
 from bench.servers import ServerSpec, serve_alone
@@ -40,12 +46,14 @@ SYNC_WORKERS = 64
 
 
 class _Answers:
-    """Every answer the floor gives, computed from the request alone."""
+    """Every answer the floor gives, computed from the request alone: zeros, or with a
+    `session`, the model's scores of the request's own rows."""
 
-    def __init__(self, io: ModelIO, manifest: Manifest) -> None:
+    def __init__(self, io: ModelIO, manifest: Manifest, session: Any = None) -> None:
         self._io = io
         self._manifest = manifest
         self._features = frozenset(manifest.features)
+        self._session = session
 
     def model_metadata(self, request: oip.ModelMetadataRequest) -> oip.ModelMetadataResponse:
         meta = oip.ModelMetadataResponse.TensorMetadata
@@ -76,8 +84,37 @@ class _Answers:
         rows = request.inputs[0].shape[0] if request.inputs and request.inputs[0].shape else 1
         response = oip.ModelInferResponse(model_name=request.model_name, id=request.id)
         response.outputs.add(name=self._io.output, datatype="FP32", shape=[rows, 1])
-        response.raw_output_contents.append(bytes(4 * rows))
+        if self._session is None:
+            response.raw_output_contents.append(bytes(4 * rows))
+            return response
+        feed = {
+            tensor.name: np.frombuffer(raw, dtype="<f4").reshape(tuple(tensor.shape))
+            for tensor, raw in zip(request.inputs, request.raw_input_contents, strict=True)
+        }
+        response.raw_output_contents.append(self._run(feed).astype("<f4").tobytes())
         return response
+
+    def _run(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return self._session.run([self._io.output], feed)[0].reshape(-1)
+
+    def _scores(self, requests: Sequence[pb.ScoreRequest]) -> np.ndarray:
+        """The model's scores of Score requests' rows, their histories padded to the longest;
+        zeros without a session."""
+        if self._session is None:
+            return np.zeros(len(requests), dtype=np.float32)
+        names = self._manifest.features
+        features = np.array([[r.features[n] for n in names] for r in requests], dtype=np.float32)
+        length = max(1, max((len(r.history) for r in requests), default=0))
+        history = np.zeros((len(requests), length, self._io.n_history_fields), dtype=np.float32)
+        mask = np.zeros((len(requests), length), dtype=np.float32)
+        for i, r in enumerate(requests):
+            if r.history:
+                history[i, : len(r.history)] = [row.values for row in r.history]
+                mask[i, : len(r.history)] = 1.0
+        io = self._io
+        return self._run(
+            {io.features_input: features, io.history_input: history, io.mask_input: mask}
+        )
 
     def model_info(self, request: pb.ModelInfoRequest) -> pb.ModelInfo:
         manifest = self._manifest
@@ -93,30 +130,48 @@ class _Answers:
             nan_policy=manifest.nan_policy,
         )
 
-    def score(self, request: pb.ScoreRequest) -> pb.ScoreResponse | str:
-        """A fixed score, or what is wrong with the request's features."""
+    def _problem(self, request: pb.ScoreRequest) -> str | None:
+        """What is wrong with the request's features, if anything."""
         for name, value in request.features.items():
             if name not in self._features:
                 return f"features[{name!r}]: unknown feature"
             if not math.isfinite(value):
                 return f"features[{name!r}]: NaN or infinite"
+        return None
+
+    def _reply(self, request: pb.ScoreRequest, score: float) -> pb.ScoreResponse:
+        thresholds = self._manifest.thresholds
+        decision = pb.APPROVE
+        if score >= thresholds.decline:
+            decision = pb.DECLINE
+        elif score >= thresholds.review:
+            decision = pb.REVIEW
         return pb.ScoreResponse(
             request_id=request.request_id,
-            score=0.0,
-            decision=pb.APPROVE,
+            score=score,
+            decision=decision,
             model=self._manifest.name,
             model_version=self._manifest.version,
-            engine="none",
+            engine="none" if self._session is None else "onnxruntime",
         )
 
+    def score(self, request: pb.ScoreRequest) -> pb.ScoreResponse | str:
+        """The request's score, or what is wrong with its features."""
+        problem = self._problem(request)
+        if problem is not None:
+            return problem
+        return self._reply(request, float(self._scores([request])[0]))
+
     def score_batch(self, request: pb.ScoreBatchRequest) -> pb.ScoreBatchResponse | str:
-        answers = []
-        for i, item in enumerate(request.requests):
-            answer = self.score(item)
-            if isinstance(answer, str):
-                return f"requests[{i}].{answer}"
-            answers.append(answer)
-        return pb.ScoreBatchResponse(responses=answers)
+        items = request.requests
+        for i, item in enumerate(items):
+            problem = self._problem(item)
+            if problem is not None:
+                return f"requests[{i}].{problem}"
+        scores = self._scores(items)
+        return pb.ScoreBatchResponse(
+            responses=[self._reply(item, float(s)) for item, s in zip(items, scores, strict=True)]
+        )
 
     def score_message(self, request: pb.ScoreRequest) -> pb.ScoreResponse:
         answer = self.score(request)
@@ -224,15 +279,30 @@ def _dims(io: ModelIO) -> list[tuple[str, list[int]]]:
     ]
 
 
-def _answers() -> _Answers:
-    return _Answers(read_model_io(DEMO_MODEL_PATH), load_manifest(DEMO_MODEL_PATH.parent))
+def _answers(engine: bool = False) -> _Answers:
+    session = None
+    if engine:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        session = ort.InferenceSession(
+            str(DEMO_MODEL_PATH), options, providers=["CPUExecutionProvider"]
+        )
+    io = read_model_io(DEMO_MODEL_PATH)
+    return _Answers(io, load_manifest(DEMO_MODEL_PATH.parent), session)
 
 
-def echo_spec(port: int, *, sync: bool = False) -> ServerSpec:
-    """The do-nothing server as a process on `port`: grpc.aio, or the thread-pool server."""
-    call = f"f._serve_echo_sync({port})" if sync else f"asyncio.run(f._serve_echo({port}))"
+def echo_spec(port: int, *, sync: bool = False, engine: bool = False) -> ServerSpec:
+    """The do-nothing server as a process on `port`: grpc.aio, or the thread-pool server;
+    with `engine`, the grpc.aio one that runs the model on each request's rows."""
+    if sync:
+        name, call = "grpc thread-pool echo", f"f._serve_echo_sync({port})"
+    else:
+        name, call = "grpc.aio echo", f"asyncio.run(f._serve_echo({port}, {engine}))"
     return ServerSpec(
-        "grpc thread-pool echo" if sync else "grpc.aio echo",
+        f"{name} with the model" if engine else name,
         (sys.executable, "-c", f"import asyncio, bench.rpc_floor as f; {call}"),
         port,
         "fraud-demo",
@@ -240,9 +310,9 @@ def echo_spec(port: int, *, sync: bool = False) -> ServerSpec:
     )
 
 
-async def _serve_echo(port: int) -> None:
+async def _serve_echo(port: int, engine: bool = False) -> None:
     server = grpc.aio.server()
-    answers = _answers()
+    answers = _answers(engine)
     oip_grpc.add_GRPCInferenceServiceServicer_to_server(_Echo(answers), server)
     pb_grpc.add_RiskScoringServicer_to_server(_ScoringEcho(answers), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -261,12 +331,15 @@ def _serve_echo_sync(port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--grpc-port", type=int, default=8011, help="listens on 127.0.0.1")
-    parser.add_argument("--sync", action="store_true", help="gRPC's thread-pool server")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--sync", action="store_true", help="gRPC's thread-pool server")
+    kind.add_argument("--engine", action="store_true", help="run the model on each request")
     parser.add_argument("--serve-s", type=float, default=600.0, help="stop after this long")
     args = parser.parse_args(argv)
-    name = "grpc-floor-sync" if args.sync else "grpc-floor"
+    name = "grpc-floor-sync" if args.sync else "grpc-floor-engine" if args.engine else "grpc-floor"
     log_path = REPO_ROOT / "bench" / "results" / "logs" / f"{name}.log"
-    return serve_alone(echo_spec(args.grpc_port, sync=args.sync), log_path, args.serve_s)
+    spec = echo_spec(args.grpc_port, sync=args.sync, engine=args.engine)
+    return serve_alone(spec, log_path, args.serve_s)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 MANIFEST = load_manifest(DEMO_MODEL_PATH.parent)
 
 
-def _serve(sync: bool, tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
+def _serve(
+    sync: bool, tmp_path_factory: pytest.TempPathFactory, engine: bool = False
+) -> Iterator[grpc.Channel]:
     log = tmp_path_factory.mktemp("floor") / "floor.log"
     with (
-        ServerProcess(echo_spec(free_port(), sync=sync), log) as server,
+        ServerProcess(echo_spec(free_port(), sync=sync, engine=engine), log) as server,
         grpc.insecure_channel(server.target) as channel,
     ):
         yield channel
@@ -41,6 +43,12 @@ def oip_floor(
 ) -> Iterator[grpc.Channel]:
     """Either floor: the thread-pool one serves OIP only (perf_analyzer's calls)."""
     yield from _serve(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def engine_floor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[grpc.Channel]:
+    """The grpc.aio floor that runs the demo model on each request's rows."""
+    yield from _serve(False, tmp_path_factory, engine=True)
 
 
 def _score_request(**features: float) -> pb.ScoreRequest:
@@ -100,3 +108,42 @@ def test_the_load_test_sweep_starts_the_floor_for_its_floor_config() -> None:
 
     spec, _ = _spec(FLOOR, budget_ms=10.0)
     assert spec.name == FLOOR and _processes(FLOOR) == 1
+
+
+def test_the_engine_floor_answers_the_models_own_scores(engine_floor: grpc.Channel) -> None:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(DEMO_MODEL_PATH), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(7)
+    features = rng.uniform(0.0, 1.0, len(MANIFEST.features)).astype(np.float32)
+    history = rng.uniform(0.0, 1.0, (5, 8)).astype(np.float32)
+    expected = session.run(
+        None,
+        {
+            "features": features[None, :],
+            "history": history[None, :, :],
+            "history_mask": np.ones((1, 5), dtype=np.float32),
+        },
+    )[0].item()
+
+    request = pb.ScoreRequest(features=dict(zip(MANIFEST.features, features.tolist(), strict=True)))
+    for row in history:
+        request.history.add(values=row.tolist())
+    stub = pb_grpc.RiskScoringStub(engine_floor)
+    reply = stub.Score(request, timeout=30)
+    assert reply.score == pytest.approx(expected, abs=1e-5)
+    assert reply.engine == "onnxruntime"
+    batch = stub.ScoreBatch(pb.ScoreBatchRequest(requests=[request, _score_request()]), timeout=30)
+    assert batch.responses[0].score == pytest.approx(expected, abs=1e-5)
+
+    infer = oip.ModelInferRequest(model_name=MANIFEST.name)
+    for name, array in (
+        ("features", features[None, :]),
+        ("history", history[None, :, :]),
+        ("history_mask", np.ones((1, 5), dtype=np.float32)),
+    ):
+        infer.inputs.add(name=name, datatype="FP32", shape=list(array.shape))
+        infer.raw_input_contents.append(array.astype("<f4").tobytes())
+    answer = oip_grpc.GRPCInferenceServiceStub(engine_floor).ModelInfer(infer, timeout=30)
+    scores = np.frombuffer(answer.raw_output_contents[0], dtype="<f4")
+    assert scores.tolist() == pytest.approx([expected], abs=1e-5)
