@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+import psutil
 
 from bench.compare import FLOOR, RESULTS_DIR, Knobs, Skip, riskserve_knobs, server_spec
 from bench.model_io import DEMO_MODEL_PATH, make_request_arrays, read_model_io
@@ -60,14 +61,24 @@ class Point:
     cpu_us_per_request: float
     errors: int
     note: str = ""
+    # Both the server's CPU and the client's, and the kernel's: the whole machine's busy time.
+    machine_cpu_us_per_request: float = math.nan
 
 
-def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, float]:
-    """Run `run()`; the server's CPU seconds per second from `ramp_s` after it starts to its end."""
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has been busy, all cores (neither idle nor waiting on IO)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
+def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, float, float]:
+    """Run `run()`; the server's CPU seconds per second from `ramp_s` after it starts to its
+    end, and the whole machine's busy seconds per second over the same span."""
     marks: dict[str, float] = {}
 
     def mark() -> None:
         marks["t0"], marks["c0"] = time.monotonic(), server.cpu_seconds()
+        marks["m0"] = _machine_busy_s()
 
     timer = threading.Timer(ramp_s, mark)
     timer.start()
@@ -75,10 +86,11 @@ def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, floa
         result = run()
     finally:
         timer.cancel()
-    end_t, end_cpu = time.monotonic(), server.cpu_seconds()
+    end_t, end_cpu, end_busy = time.monotonic(), server.cpu_seconds(), _machine_busy_s()
     if "t0" not in marks or end_t - marks["t0"] < 0.5:
-        return result, math.nan
-    return result, (end_cpu - marks["c0"]) / (end_t - marks["t0"])
+        return result, math.nan, math.nan
+    span = end_t - marks["t0"]
+    return result, (end_cpu - marks["c0"]) / span, (end_busy - marks["m0"]) / span
 
 
 def perf_points(
@@ -97,11 +109,11 @@ def perf_points(
         )
         with PerfAnalyzer(plan, server_label=name) as analyzer:
             for concurrency in args.concurrency:
-                result, cpu_per_s = _cpu_during(
+                result, cpu_per_s, busy_per_s = _cpu_during(
                     server, args.ramp_s, lambda c=concurrency: analyzer.run_point("concurrency", c)
                 )
                 assert isinstance(result, PointResult)
-                point = _point(name, mode, concurrency, result, cpu_per_s)
+                point = _point(name, mode, concurrency, result, cpu_per_s, busy_per_s)
                 log(_row(point))
                 points.append(point)
                 time.sleep(args.cooldown_s)
@@ -110,7 +122,14 @@ def perf_points(
     return points
 
 
-def _point(name: str, mode: str, concurrency: int, result: PointResult, cpu_per_s: float) -> Point:
+def _point(
+    name: str,
+    mode: str,
+    concurrency: int,
+    result: PointResult,
+    cpu_per_s: float,
+    busy_per_s: float,
+) -> Point:
     rps = result.throughput_rps
     cpu_us = cpu_per_s / rps * 1e6 if rps > 0 else math.nan
     return Point(
@@ -123,6 +142,7 @@ def _point(name: str, mode: str, concurrency: int, result: PointResult, cpu_per_
         cpu_us,
         result.errors,
         result.note if result.errors else "",
+        busy_per_s / rps * 1e6 if rps > 0 else math.nan,
     )
 
 
@@ -194,7 +214,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
     requests = _score_requests(256, args.history_len)
     points = []
     for mode in ("unary", "stream"):
-        result, cpu_per_s = _cpu_during(
+        result, cpu_per_s, busy_per_s = _cpu_during(
             server,
             args.ramp_s,
             lambda m=mode: asyncio.run(
@@ -212,6 +232,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
             result["p99_ms"],
             cpu_per_s / rps * 1e6 if rps else math.nan,
             result["errors"],
+            machine_cpu_us_per_request=busy_per_s / rps * 1e6 if rps else math.nan,
         )
         log(_row(point))
         points.append(point)
@@ -228,7 +249,7 @@ def _row(p: Point) -> str:
     return (
         f"  {p.server:<10} {p.mode:<17} c={p.concurrency:<3} {p.rps:8.0f} req/s"
         f"  p50 {p.p50_ms:6.2f}  p99 {p.p99_ms:6.2f} ms  server {p.cpu_us_per_request:5.0f} "
-        f"CPU-us/req{errors}{note}"
+        f"CPU-us/req  machine {p.machine_cpu_us_per_request:5.0f}{errors}{note}"
     )
 
 
@@ -255,14 +276,17 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
     c, limit = args.at, f"{args.p99_ms:g}"
     print(
         f"| server / mode | req/s at c={c} | p99 ms at c={c} | server CPU µs / request at c={c} "
-        f"| best req/s with p99 ≤ {limit} ms (at c) |"
+        f"| whole machine CPU µs / request at c={c} | best req/s with p99 ≤ {limit} ms (at c) |"
     )
-    print("|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for key, row in rows.items():
         at, best = row["at"], row["best"]
-        left = "- | - | -"
+        left = "- | - | - | -"
         if at:
-            left = f"{at.rps:,.0f} | {at.p99_ms:.2f} | {at.cpu_us_per_request:,.0f}"
+            left = (
+                f"{at.rps:,.0f} | {at.p99_ms:.2f} | {at.cpu_us_per_request:,.0f} | "
+                f"{at.machine_cpu_us_per_request:,.0f}"
+            )
         right = f"{best.rps:,.0f} ({best.concurrency})" if best else "none"
         print(f"| {key} | {left} | {right} |")
     client = [p for p in points if p.mode.startswith("riskclient")]
