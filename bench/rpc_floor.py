@@ -1,4 +1,4 @@
-"""The `grpc-floor` server: a grpc.aio server that answers riskserve's RPCs and does no work.
+"""The floors: gRPC servers that answer riskserve's RPCs doing no work, or only the model's.
 
 It answers ModelInfer (and each request of ModelStreamInfer) with zero scores of the shape
 riskserve returns, computing nothing, so what it costs is the floor that gRPC's Python server
