@@ -575,13 +575,11 @@ class MicroBatcher:
         now = time.monotonic()
         # The earliest deadline keeps room for the wait and then its batch's run.
         room_s = head.deadline - now - self._gather_s
-        if room_s <= self.time_model.estimate_s(self._queued_cells(head.history_length)):
+        model = self.time_model
+        if room_s <= model.estimate_s(model.cells(self._queued_rows, head.history_length)):
             return 0.0
         gather.start(self._queued_rows, now)
         return self._gather_s
-
-    def _queued_cells(self, history_length: int) -> float:
-        return EngineTimeModel.cells(self._queued_rows, history_length)
 
     def _run_parts(self, parts: Sequence[RowBatch]) -> Scored:
         """One engine run of the parts joined; a job of rows against one history (run alone)
