@@ -41,9 +41,10 @@ nothing more until answered, and the selector would wake the loop only to the mi
 batch waits where recent waits brought no company (light load: one probe in 256 batches then),
 where the earliest deadline has no room for it, or for stream messages (`ARRIVES_ALONE`), which
 many streams deliver in the same turn. It is off by default because open-loop traffic loses by
-it: with 1 ms waits `make loadtest`'s mix at 600 and 800 requests a second shed 26 and 1,359
-requests against 0 and 78, though 16 and 64 closed-loop callers got 9 % more answers for 11 to
-13 % less CPU.
+it: with 1 ms waits `make loadtest`'s mix at 800 requests a second shed 16 requests where none
+were shed without, and the server's own p99 rose from within 3 ms to within 8
+(docs/benchmarks.md), though 16 and 64 closed-loop callers got 9 % more answers for 11 to 13 %
+less CPU.
 """
 
 from __future__ import annotations
