@@ -181,6 +181,7 @@ def _score(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
+    import grpc
     from google.protobuf import json_format
 
     from riskscoring.v1 import risk_scoring_pb2 as pb
@@ -188,13 +189,34 @@ def _info(args: argparse.Namespace) -> int:
 
     with _channel(args) as channel:
         stub = pb_grpc.RiskScoringStub(channel)
-        info = stub.GetModelInfo(
-            pb.ModelInfoRequest(model=args.model),
-            timeout=args.timeout_s,
-            metadata=_call_metadata(args),
-        )
+        try:
+            info = stub.GetModelInfo(
+                pb.ModelInfoRequest(model=args.model),
+                timeout=args.timeout_s,
+                metadata=_call_metadata(args),
+            )
+        except grpc.RpcError as exc:
+            if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                _unless_answering(channel, exc, args.timeout_s)
+            raise
     print(json.dumps(json_format.MessageToDict(info), indent=2))
     return 0
+
+
+def _unless_answering(channel: grpc.Channel, exc: grpc.Call, timeout_s: float) -> None:
+    """Where the server itself said UNAVAILABLE (it answers health checks), its reason:
+    the model is not ready, e.g. its serving version is not loaded; else nothing."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        health = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s
+        )
+    except grpc.RpcError:
+        return  # not reached: said as such by `_describe`
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    raise CommandError(f"UNAVAILABLE: {exc.details()} (server health: {status})", EXIT_STATUS)
 
 
 def _held_out(args: argparse.Namespace, model_dir: Path) -> tuple[dict[str, Any], Any]:

@@ -227,6 +227,11 @@ async def build_server(
     )
     health_servicer = DrainingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in SERVICE_NAMES:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    # "" and each model's name follow whether its serving version is loaded, from the start.
+    registry.on_readiness(health_servicer.show_readiness)
+    await registry.check_readiness()
     names = [*SERVICE_NAMES, health.SERVICE_NAME]
     if settings.reflection:
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
@@ -246,8 +251,6 @@ async def build_server(
         telemetry=telemetry,
     )
     watcher.start()
-    for name in ["", *SERVICE_NAMES]:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("serving %s on %s:%d", registry.names(), settings.host, port)
     return RiskServer(
         server,

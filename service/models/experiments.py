@@ -5,7 +5,7 @@
 written by a log thread, and challengers score in a separate lowest-priority process
 (`ShadowRunner`). The registry follows the router: each model's champion is its serving
 version. The experiments file is re-read when it changes, so arms change at run time without a
-restart.
+restart, and the registry then checks again that each model's serving version is loaded.
 """
 
 from __future__ import annotations
@@ -226,3 +226,5 @@ class Experiments:
                 log.exception("keeping the current experiments: %s is not valid", self._path)
                 with contextlib.suppress(OSError):
                     self._mtime_ns = self._path.stat().st_mtime_ns
+                continue
+            await self._registry.check_readiness()  # the champions may have changed

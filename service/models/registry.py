@@ -5,14 +5,15 @@ Version folders are found by `service.models.folders` and built by `service.mode
 model's serving version (`ModelRegistry.serving_version`): the experiment's champion when an
 experiment is configured, else the version pinned in configuration, else the highest loaded.
 Versions are loaded and warmed beside what serves; a version reloaded in place is swapped in
-one step on the event loop.
+one step on the event loop. A model whose serving version is not loaded is not ready: the
+registry logs why at ERROR and tells its readiness listeners (health) whenever that may change.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Protocol
@@ -23,9 +24,12 @@ from service.models.loader import VersionLoader, settle_heap
 from service.models.version import ModelVersion
 from service.telemetry import Telemetry
 
-__all__ = ["ModelRegistry", "ModelVersion", "ServingPreference"]
+__all__ = ["ModelRegistry", "ModelVersion", "ReadinessListener", "ServingPreference"]
 
 log = logging.getLogger(__name__)
+
+ReadinessListener = Callable[[Mapping[str, bool]], Awaitable[None]]
+"""Awaited with each model's name and whether its serving version is loaded."""
 
 
 class ServingPreference(Protocol):
@@ -57,7 +61,10 @@ class ModelRegistry:
         self._pinned = dict(pinned_versions or {})
         self._experiments: ServingPreference | None = None
         self._reload_listeners: list[Callable[[str, str], None]] = []
-        self.ready = False
+        self._readiness_listeners: list[ReadinessListener] = []
+        # What each model was last said to serve: its version, or why none (None: not told yet).
+        self._told: dict[str, str] | None = None
+        self._loaded = False
 
     def follow(self, experiments: ServingPreference) -> None:
         """Serve each model's experiment champion to requests that name no version."""
@@ -66,6 +73,10 @@ class ModelRegistry:
     def on_reload(self, listener: Callable[[str, str], None]) -> None:
         """Call `listener(name, version)` whenever a loaded version is swapped for new files."""
         self._reload_listeners.append(listener)
+
+    def on_readiness(self, listener: ReadinessListener) -> None:
+        """Await `listener(ready by model)` at each `check_readiness`."""
+        self._readiness_listeners.append(listener)
 
     # -- lookups (event loop) -------------------------------------------------------------
 
@@ -100,6 +111,48 @@ class ModelRegistry:
         if version not in versions:
             raise Unavailable(f"model {name!r}: version {version!r} ({why}) is not loaded")
         return version
+
+    def not_ready(self) -> dict[str, str]:
+        """Each loaded model whose serving version is not loaded, with the reason."""
+        reasons = {}
+        for name in self.names():
+            try:
+                self.serving_version(name)
+            except Unavailable as exc:
+                reasons[name] = str(exc)
+        return reasons
+
+    @property
+    def ready(self) -> bool:
+        """The models are loaded, and each one's serving version with them (OIP ServerReady)."""
+        return self._loaded and not self.not_ready()
+
+    async def check_readiness(self) -> None:
+        """Log each model's serving version, or at ERROR why it has none, where that changed
+        since the last check; then tell the readiness listeners.
+
+        The server calls it once the experiments file is read; from then on every load and
+        unload calls it, and so does the experiments watcher when the file changes.
+        """
+        told, self._told = self._told or {}, {}
+        unready = self.not_ready()
+        for name in self.names():
+            state = self._told[name] = unready.get(name) or self.serving_version(name)
+            if told.get(name) == state:
+                continue
+            if name in unready:
+                log.error(
+                    "%s: requests naming no version fail, and health reports NOT_SERVING, "
+                    "until it is loaded",
+                    state,
+                )
+            else:
+                preferred = self.preferred_version(name)
+                why = "the highest loaded" if preferred is None else preferred[1]
+                log.info("%s: version %s serves (%s)", name, state, why)
+        ready = {name: name not in unready for name in self.names()}
+        for listener in self._readiness_listeners:
+            await listener(ready)
 
     def in_use(self, name: str) -> set[str]:
         """Versions of `name` that must stay loaded: what serves and what configuration names."""
@@ -138,12 +191,7 @@ class ModelRegistry:
         for versions in found.values():
             for path in versions:
                 await self.load(path)
-        for name in self.names():
-            try:
-                log.info("%s: version %s serves", name, self.serving_version(name))
-            except Unavailable as exc:
-                log.error("%s; requests naming no version fail until it is", exc)
-        self.ready = True
+        self._loaded = True
 
     async def load(self, path: Path) -> ModelVersion:
         """Load and warm a version folder not loaded yet; it serves only as the rule says."""
@@ -152,6 +200,7 @@ class ModelRegistry:
         model = await self._load(path)
         self._versions.setdefault(model.name, {})[model.version] = model
         self._update_highest(model.name)
+        await self._recheck()
         return model
 
     async def reload(self, path: Path, drain_s: float) -> ModelVersion:
@@ -178,7 +227,13 @@ class ModelRegistry:
             self._update_highest(name)
         else:
             del self._versions[name], self._highest[name]
+        await self._recheck()
         await self._retire(model, drain_s)
+
+    async def _recheck(self) -> None:
+        # Before the first check (the models still loading) there is nothing to tell yet.
+        if self._told is not None:
+            await self.check_readiness()
 
     async def _load(self, path: Path) -> ModelVersion:
         files = folder_snapshot(path)  # before reading: a change during the load shows later

@@ -128,6 +128,26 @@ def test_a_refused_connection_is_one_line(closed_port):
         assert error.startswith(f"UNAVAILABLE: cannot reach 127.0.0.1:{closed_port}"), error
 
 
+def test_info_says_why_a_model_is_not_ready(models_root):
+    """The server answers but the model's serving version is not loaded: its reason, not
+    'cannot reach'."""
+    from liveserver import LiveServer
+
+    with LiveServer(
+        models_dir=models_root,
+        default_model="credit-lite",
+        pinned_versions={"credit-lite": "9"},
+        budget_ms=5000,
+    ) as server:
+        done = run_cli("info", "--target", server.target)
+    assert done.returncode == 1
+    error = one_line_error(done, "info")
+    assert error == (
+        "UNAVAILABLE: model 'credit-lite': version '9' (pinned in the settings) is not loaded "
+        "(server health: NOT_SERVING)"
+    ), error
+
+
 def test_bad_json_fields_and_types_are_one_line(live):
     for payload, named in (
         ({"features": {"amount": "lots"}}, "features"),
