@@ -204,7 +204,21 @@ class Manifest(_Frozen):
     features_input: str = Field("features", description="ONNX input name of the (batch, n) tensor.")
     features: tuple[str, ...] = Field(min_length=1, description="Tabular feature names in order.")
     history: HistorySpec | None = None
-    output: str = Field("score", description="ONNX output holding one probability per row.")
+    output: str = Field(
+        "score",
+        description=(
+            "ONNX output holding the risk probability: one per row ([N] or [N, 1]), or a "
+            "class-probability output ([N, K] tensor, or a ZipMap sequence of maps) whose "
+            "`risk_class` is the score."
+        ),
+    )
+    risk_class: int | str | None = Field(
+        None,
+        description=(
+            "The class whose probability is the risk score, for an output of several classes: "
+            "a label the model declares (its classifier or ZipMap node), else a column index."
+        ),
+    )
     nan_policy: Literal["reject", "zero"] = Field(
         "reject", description="reject: NaN/Inf is INVALID_ARGUMENT; zero: replaced by 0."
     )

@@ -19,6 +19,7 @@ from engines.base import (
 )
 from engines.manifest import Manifest
 from engines.onnxrt.loader import CUDA, SessionFromPath
+from engines.output import ScoreOutput, resolve_score_output
 
 __all__ = ["OnnxRuntimeEngine"]
 
@@ -116,16 +117,24 @@ class OnnxRuntimeEngine(Engine):
         providers: Sequence[str] | None = None,
         intra_op_threads: int = 1,
         max_concurrency: int = 2,
+        score: ScoreOutput | None = None,
     ) -> OnnxRuntimeEngine:
-        """The engine for one precision of a model folder (fp32 is ``model.onnx``)."""
+        """The engine for one precision of a model folder (fp32 is ``model.onnx``), fetching
+        the tensor that holds the score (`score`, resolved from ``model.onnx`` where not
+        given)."""
+        if score is None:
+            score = resolve_score_output(model_dir / "model.onnx", manifest)
         file = "model.onnx" if precision == "fp32" else manifest.variants[precision]
         session = SessionFromPath(
-            model_dir / file, providers=providers, intra_op_threads=intra_op_threads
+            model_dir / file,
+            providers=providers,
+            intra_op_threads=intra_op_threads,
+            extra_outputs=score.extra_outputs,
         )()
         return cls(
             session,
             precision=precision,
-            output_names=[manifest.output],
+            output_names=[score.tensor],
             max_concurrency=max_concurrency,
         )
 

@@ -55,6 +55,10 @@ class SessionFromPath:
     inter_op_threads: int = 1
     provider_options: dict[str, dict[str, str]] = field(default_factory=dict)
     require_providers: bool = False
+    extra_outputs: Sequence[str] = ()
+    """Inner tensors to fetch as well as the graph's outputs (the tensor a ZipMap output is
+    made from, see `engines.output`): the session is built from a copy of the graph that
+    declares them as outputs."""
 
     def __call__(self) -> ort.InferenceSession:
         ort_mod = _ort()
@@ -72,8 +76,13 @@ class SessionFromPath:
             if name in offered
         ]
         try:
+            source: str | bytes = (
+                _with_outputs(Path(self.path), self.extra_outputs)
+                if self.extra_outputs
+                else str(self.path)
+            )
             session = ort_mod.InferenceSession(
-                str(self.path), sess_options=options, providers=provider_list
+                source, sess_options=options, providers=provider_list
             )
         except Exception as exc:
             raise EngineUnavailable(f"cannot load {Path(self.path).name}: {exc}") from exc
@@ -88,3 +97,16 @@ class SessionFromPath:
                 raise EngineUnavailable(message)
             log.warning("%s", message)
         return session
+
+
+def _with_outputs(path: Path, names: Sequence[str]) -> bytes:
+    """The model at `path`, serialized with `names` added to its graph's outputs."""
+    import onnx
+
+    model = onnx.load(str(path))
+    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    for name in names:
+        if name not in {o.name for o in model.graph.output}:
+            elem = types.get(name, onnx.TensorProto.FLOAT)
+            model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    return model.SerializeToString()

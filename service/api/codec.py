@@ -181,13 +181,14 @@ def check_ranges(features: np.ndarray, manifest: Manifest, field_template: str) 
     )
 
 
-def check_requested_outputs(request: oip.ModelInferRequest, manifest: Manifest) -> None:
-    """An OIP request may ask only for outputs the model has (as Triton refuses others)."""
+def check_requested_outputs(request: oip.ModelInferRequest, served: str) -> None:
+    """An OIP request may ask only for the output the model serves, `served` (as Triton
+    refuses others)."""
     for i, output in enumerate(request.outputs):
-        if output.name != manifest.output:
+        if output.name != served:
             raise InvalidRequest(
                 f"outputs[{i}].name",
-                f"{output.name!r} is not an output of this model (it has {manifest.output!r})",
+                f"{output.name!r} is not an output of this model (it has {served!r})",
             )
 
 
@@ -263,9 +264,12 @@ def _tensor(
     return values.reshape(shape)
 
 
-def decode_infer_request(request: oip.ModelInferRequest, manifest: Manifest) -> RowBatch:
-    """OIP tensors named as the model's ONNX inputs, checked against the manifest."""
-    check_requested_outputs(request, manifest)
+def decode_infer_request(
+    request: oip.ModelInferRequest, manifest: Manifest, served: str
+) -> RowBatch:
+    """OIP tensors named as the model's ONNX inputs, checked against the manifest; `served` is
+    the name of the score's output tensor (`ScoreOutput.served_name`)."""
+    check_requested_outputs(request, served)
     spec = manifest.history
     expected = {manifest.features_input: 2}
     if spec is not None:

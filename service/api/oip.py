@@ -114,7 +114,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             versions=self._registry.versions(model.name),
             platform=PLATFORM,
             inputs=[meta(name=n, datatype="FP32", shape=s) for n, s in _tensor_shapes(model)],
-            outputs=[meta(name=model.manifest.output, datatype="FP32", shape=[-1, 1])],
+            outputs=[meta(name=model.score.served_name, datatype="FP32", shape=[-1, 1])],
         )
 
     @rpc_boundary
@@ -131,7 +131,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                 mc.ModelInput(name=n, data_type=mc.TYPE_FP32, dims=s[1:])
                 for n, s in _tensor_shapes(model)
             ],
-            output=[mc.ModelOutput(name=model.manifest.output, data_type=mc.TYPE_FP32, dims=[1])],
+            output=[mc.ModelOutput(name=model.score.served_name, data_type=mc.TYPE_FP32, dims=[1])],
             dynamic_batching=mc.ModelDynamicBatching(),
             instance_group=[mc.ModelInstanceGroup(count=1, kind=mc.ModelInstanceGroup.KIND_CPU)],
         )
@@ -165,7 +165,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
             checked_model_name(request.model_name), request.model_version, entity_id
         )
         decode_started_ns = time.monotonic_ns()
-        rows = decode_infer_request(request, model.manifest)
+        rows = decode_infer_request(request, model.manifest, model.score.served_name)
         note_validated(decode_started_ns)
         scored = await model.batcher.submit(rows, deadline)
         note_scored(self.telemetry, model.name, model.version, scored)
@@ -180,7 +180,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                 scored,
                 time.perf_counter() - started,
             )
-        return encode_infer_response(request, model.version, model.manifest.output, scored.scores)
+        return encode_infer_response(request, model.version, model.score.served_name, scored.scores)
 
 
 ENTITY_PARAMETER = "entity_id"

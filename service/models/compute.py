@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
 from engines.base import EngineError
 from engines.manifest import Manifest
+from engines.output import ScoreOutput
 from engines.pool import EnginePool
 from service.batching.batcher import Scored
 from service.batching.rows import RowBatch
@@ -17,7 +16,11 @@ __all__ = ["run_on_pool"]
 
 
 def run_on_pool(
-    manifest: Manifest, pool: EnginePool, precisions: dict[str, str], rows: RowBatch
+    manifest: Manifest,
+    score: ScoreOutput,
+    pool: EnginePool,
+    precisions: dict[str, str],
+    rows: RowBatch,
 ) -> Scored:
     """Score merged rows on the engine pool (runs on an engine thread)."""
     started = time.perf_counter()
@@ -26,7 +29,7 @@ def run_on_pool(
     except EngineError as exc:
         raise ScoringFailed("no engine could score the batch") from exc
     engine_s = time.perf_counter() - started
-    scores = np.asarray(result.outputs[manifest.output], dtype=np.float32).reshape(-1)
+    scores = score.scores(result.outputs)
     precision = precisions.get(result.engine_name, "")
     split = len(set(result.row_engines)) > 1
     return Scored(

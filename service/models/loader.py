@@ -16,10 +16,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+import onnx
 
-from engines.base import Engine, EngineUnavailable
+from engines.base import Engine, EngineError, EngineUnavailable
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
+from engines.output import (
+    ML_DOMAIN,
+    OutputLayoutError,
+    ScoreOutput,
+    onnx_ml_operators,
+    resolve_score_output,
+)
 from engines.pool import EnginePool
 from engines.trt import load_engines
 from engines.validation import accepted_variants
@@ -54,11 +62,26 @@ def default_engines(
 
     def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
         accepted = accepted_variants(path, manifest=manifest)
+        model = onnx.load(str(path / "model.onnx"), load_external_data=False)
+        score = resolve_score_output(model, manifest)
         fallback = OnnxRuntimeEngine.from_model_dir(
-            path, manifest, intra_op_threads=intra_op_threads, max_concurrency=max_concurrency
+            path,
+            manifest,
+            intra_op_threads=intra_op_threads,
+            max_concurrency=max_concurrency,
+            score=score,
         )
         engines: list[Engine] = []
-        if tensorrt and len(accepted) > 1:
+        ml_operators = onnx_ml_operators(model)
+        if tensorrt and ml_operators:
+            log.info(
+                "%s/%s: ONNX Runtime serves it: TensorRT has no layers for %s (%s)",
+                manifest.name,
+                manifest.version,
+                ", ".join(ml_operators),
+                ML_DOMAIN,
+            )
+        elif tensorrt and len(accepted) > 1:
             try:
                 engines += load_engines(path, accepted)
             except EngineUnavailable as exc:
@@ -73,6 +96,7 @@ def default_engines(
                             precision=precision,
                             intra_op_threads=intra_op_threads,
                             max_concurrency=max_concurrency,
+                            score=score,
                         )
                     )
         if engines:
@@ -128,17 +152,22 @@ class VersionLoader:
                 f"{path}: manifest names {manifest.name}/{manifest.version}, "
                 f"folder is {path.parent.name}/{path.name}"
             )
+        try:
+            score = resolve_score_output(path / "model.onnx", manifest)
+        except OutputLayoutError as exc:
+            raise Unavailable(f"{path}: {exc}") from exc
         engines, fallback = self._engine_factory(path, manifest)
-        if manifest.history is not None and manifest.history.broadcast:
-            for engine in {id(e): e for e in (*engines, fallback)}.values():
-                _check_broadcast(path, manifest, engine)
+        for engine in {id(e): e for e in (*engines, fallback)}.values():
+            _check_output(path, manifest, score, engine)
+            if manifest.history is not None and manifest.history.broadcast:
+                _check_broadcast(path, manifest, score, engine)
         pool = EnginePool.for_manifest(manifest, engines, fallback)
         precisions = {e.name: e.precision for e in (*engines, fallback)}
         max_rows = batch_cap(self._max_batch_rows, manifest, [*engines, fallback])
         workers = self._workers or max(e.max_concurrency for e in [*engines, fallback])
         time_model = EngineTimeModel()
         batcher = MicroBatcher(
-            functools.partial(run_on_pool, manifest, pool, precisions),
+            functools.partial(run_on_pool, manifest, score, pool, precisions),
             max_batch_rows=max_rows,
             max_queue_rows=self._max_queue_rows,
             workers=workers,
@@ -154,17 +183,18 @@ class VersionLoader:
             else self._inline_max_s,
             gather_s=self._gather_s,
         )
-        model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher)
+        model = ModelVersion(manifest=manifest, path=path, pool=pool, batcher=batcher, score=score)
         if len(pool.engines) > 1:
             sample = _warmup_rows(manifest, 1, _TYPICAL_HISTORY).feed(manifest)
             report = pool.calibrate(sample, sorted({1, 8, max_rows}))
             log.info("%s/%s engines by speed: %s", manifest.name, manifest.version, report.order)
         self._warm(model, time_model, max_rows)
         log.info(
-            "loaded %s/%s from %s: engines %s, fallback %s, batch <= %d, %d workers",
+            "loaded %s/%s from %s: score %s, engines %s, fallback %s, batch <= %d, %d workers",
             manifest.name,
             manifest.version,
             path,
+            score.describe(),
             [e.name for e in pool.engines],
             fallback.name,
             max_rows,
@@ -192,7 +222,29 @@ _PROBE_ROWS = 3
 _PROBE_TOLERANCE = 1e-3
 
 
-def _check_broadcast(path: Path, manifest: Manifest, engine: Engine) -> None:
+def _check_output(path: Path, manifest: Manifest, score: ScoreOutput, engine: Engine) -> None:
+    """Refuse a version whose engine's real output for a probe row does not fit the layout
+    resolved from the graph (a dynamic width, a label tensor, a non-finite score). An engine
+    that fails on the probe is left to the pool, which serves its batches by the fallback."""
+    length = 0
+    if manifest.history is not None:
+        # A history length the engine's first profile is optimized for, so that any engine
+        # takes the probe.
+        dims = {s.name: s.dims for s in engine.profiles[0].inputs}.get(manifest.history.input)
+        length = dims[1].opt_value if dims is not None and len(dims) > 1 else 1
+    probe = _warmup_rows(manifest, 1, length).feed(manifest)
+    try:
+        outputs = engine.infer(probe)
+    except EngineError as exc:
+        log.warning("%s: engine %s fails on a probe row: %s", path, engine.name, exc)
+        return
+    try:
+        score.check(outputs, rows=1)
+    except OutputLayoutError as exc:
+        raise Unavailable(f"{path}: engine {engine.name}: {exc}") from exc
+
+
+def _check_broadcast(path: Path, manifest: Manifest, score: ScoreOutput, engine: Engine) -> None:
     """Refuse a version whose manifest declares `history.broadcast` where `engine` does not
     score several feature rows against a history batch of one as against that history repeated.
     """
@@ -210,9 +262,9 @@ def _check_broadcast(path: Path, manifest: Manifest, engine: Engine) -> None:
         spec.mask_input: np.repeat(mask, _PROBE_ROWS, axis=0),
     }
     problem = f"{path}: the manifest declares history.broadcast, but engine {engine.name}"
-    want = np.asarray(engine.infer(repeated)[manifest.output], dtype=np.float64)
+    want = score.scores(engine.infer(repeated))
     try:
-        got = np.asarray(engine.infer(shared)[manifest.output], dtype=np.float64)
+        got = score.scores(engine.infer(shared))
     except Exception as exc:
         raise Unavailable(f"{problem} fails on a history batch of 1: {exc}") from exc
     if got.shape != want.shape or not np.allclose(

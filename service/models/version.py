@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engines.base import Engine
 from engines.manifest import Manifest
+from engines.output import ScoreOutput
 from engines.pool import EnginePool
 from service.batching.batcher import MicroBatcher
 from service.models.folders import FolderSnapshot
@@ -23,6 +24,8 @@ class ModelVersion:
     path: Path
     pool: EnginePool
     batcher: MicroBatcher
+    score: ScoreOutput
+    """Where the score is among the engines' outputs (the layout resolved at load)."""
     files: FolderSnapshot = ()
     """The folder's files as they were when this version started loading."""
 

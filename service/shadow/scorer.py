@@ -20,6 +20,7 @@ import numpy as np
 from engines.base import Engine
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
+from engines.output import ScoreOutput, resolve_score_output
 from service.batching.rows import RowBatch
 from service.explanations.reasons import ADVERSE_DECISIONS, Occlusion, log_codes
 from service.shadow.job import ShadowJob
@@ -50,7 +51,7 @@ class ChallengerScorer:
         self._max_rows = max_rows_per_call
         self._dirs: dict[Key, Path] = {}
         self._manifests: dict[Key, Manifest] = {}
-        self._engines: dict[Key, Engine] = {}
+        self._engines: dict[Key, tuple[Engine, ScoreOutput]] = {}
         self._occlusions: dict[Key, Occlusion] = {}
 
     def add_version(self, model: str, version: str, model_dir: Path) -> None:
@@ -59,9 +60,9 @@ class ChallengerScorer:
         self._dirs[key] = model_dir
         self._manifests.pop(key, None)
         self._occlusions.pop(key, None)
-        engine = self._engines.pop(key, None)
-        if engine is not None:
-            engine.close()
+        loaded = self._engines.pop(key, None)
+        if loaded is not None:
+            loaded[0].close()
 
     def score(self, jobs: Sequence[ShadowJob]) -> ScoringOutcome:
         groups: dict[tuple[str, str, str], list[int]] = {}
@@ -89,7 +90,7 @@ class ChallengerScorer:
         return outcome
 
     def close(self) -> None:
-        for engine in self._engines.values():
+        for engine, _ in self._engines.values():
             engine.close()
         self._engines.clear()
 
@@ -100,15 +101,20 @@ class ChallengerScorer:
             self._manifests[key] = load_manifest(self._dirs[key])
         return self._manifests[key]
 
-    def _engine(self, key: Key) -> Engine:
+    def _engine(self, key: Key) -> tuple[Engine, ScoreOutput]:
+        """The version's engine and where its score is among the engine's outputs."""
         if key not in self._engines:
-            self._engines[key] = OnnxRuntimeEngine.from_model_dir(
-                self._dirs[key],
-                self._manifest(key),
+            model_dir, manifest = self._dirs[key], self._manifest(key)
+            score = resolve_score_output(model_dir / "model.onnx", manifest)
+            engine = OnnxRuntimeEngine.from_model_dir(
+                model_dir,
+                manifest,
                 providers=("CPUExecutionProvider",),
                 intra_op_threads=1,
                 max_concurrency=1,
+                score=score,
             )
+            self._engines[key] = (engine, score)
             _log.info("shadow worker loaded %s version %s", *key)
         return self._engines[key]
 
@@ -122,7 +128,7 @@ class ChallengerScorer:
     ) -> None:
         champion = self._manifest((model, champion_version))
         challenger = self._manifest((model, version))
-        engine = self._engine((model, version))
+        engine, score = self._engine((model, version))
         feeds = [challenger_feed(challenger, champion, job.inputs) for job in jobs]
         starts = np.cumsum([0] + [len(job.request_ids) for job in jobs])
         rows = int(starts[-1])
@@ -131,7 +137,9 @@ class ChallengerScorer:
         # "always" rows: their occluded rows join the plain rows in the same engine call.
         always = [(j, i) for j, i in explaining if jobs[j].explain_when == "always"]
         blocks = [_occluded(occlusion, challenger, feeds[j], i) for j, i in always]
-        scores, latency_s = self._infer(engine, challenger, merge(challenger, feeds + blocks))
+        scores, latency_s = self._infer(
+            engine, score, challenger, merge(challenger, feeds + blocks)
+        )
         codes = _codes(occlusion, jobs, always, starts, scores[:rows], scores[rows:])
         # "adverse" rows: explained, as the champion does, only on a REVIEW or DECLINE of their own.
         adverse = [
@@ -142,7 +150,7 @@ class ChallengerScorer:
         ]
         if adverse:
             occluded = [_occluded(occlusion, challenger, feeds[j], i) for j, i in adverse]
-            adverse_scores, _ = self._infer(engine, challenger, merge(challenger, occluded))
+            adverse_scores, _ = self._infer(engine, score, challenger, merge(challenger, occluded))
             codes.update(_codes(occlusion, jobs, adverse, starts, scores[:rows], adverse_scores))
         for j, job in enumerate(jobs):
             for i in range(len(job.request_ids)):
@@ -153,7 +161,11 @@ class ChallengerScorer:
                 )  # fmt: skip
 
     def _infer(
-        self, engine: Engine, manifest: Manifest, feed: Mapping[str, np.ndarray]
+        self,
+        engine: Engine,
+        score: ScoreOutput,
+        manifest: Manifest,
+        feed: Mapping[str, np.ndarray],
     ) -> tuple[np.ndarray, np.ndarray]:
         """Scores of every row of `feed`, and the engine time of the call each row was in."""
         rows = len(feed[manifest.features_input])
@@ -163,9 +175,9 @@ class ChallengerScorer:
             end = min(start + self._max_rows, rows)
             chunk = {name: array[start:end] for name, array in feed.items()}
             started = time.perf_counter()
-            output = engine.infer(chunk)[manifest.output]
+            outputs = engine.infer(chunk)
             latency_s[start:end] = time.perf_counter() - started
-            scores[start:end] = np.asarray(output, dtype=np.float64).reshape(-1)
+            scores[start:end] = score.scores(outputs)
         return scores, latency_s
 
     def _occlusion(self, key: Key) -> Occlusion:

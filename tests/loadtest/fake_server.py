@@ -130,7 +130,7 @@ class Inference(grpc_service_pb2_grpc.GRPCInferenceServiceServicer):
 
     async def ModelInfer(self, request, context):
         try:
-            rows = decode_infer_request(request, MANIFEST)
+            rows = decode_infer_request(request, MANIFEST, MANIFEST.output)
         except ServiceError as exc:
             await _refuse(context, exc)
         scores = _scores(rows.features).astype(np.float32)

@@ -63,6 +63,7 @@ def test_concurrent_clients_each_get_their_own_rows(seq_models):
         warmup_iterations=0,
     )
     with server, server.channel() as channel:
+        made["seq-mini"].batches.clear()  # the load's probe of the output layout
         stub = pb_grpc.RiskScoringStub(channel)
         ids = list(range(400))
         with concurrent.futures.ThreadPoolExecutor(32) as pool:
@@ -81,6 +82,7 @@ def test_concurrent_clients_each_get_their_own_rows(seq_models):
 def test_light_load_runs_each_request_in_a_batch_of_its_own(seq_models):
     server, made = serve(seq_models, base_s=0.001, warmup_iterations=0)
     with server, server.channel() as channel:
+        made["seq-mini"].batches.clear()  # the load's probe of the output layout
         stub = pb_grpc.RiskScoringStub(channel)
         replies = [stub.Score(request(i), timeout=5) for i in range(20)]
     assert all(r.timings.batch_size == 1 for r in replies)
@@ -117,6 +119,7 @@ def test_batching_off_with_max_batch_size_one(seq_models):
         seq_models, base_s=0.002, max_batch_size=1, budget_ms=5000, warmup_iterations=0
     )
     with server, server.channel() as channel:
+        made["seq-mini"].batches.clear()  # the load's probe of the output layout
         stub = pb_grpc.RiskScoringStub(channel)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             replies = list(pool.map(lambda i: stub.Score(request(i), timeout=10), range(40)))
@@ -170,6 +173,7 @@ def test_full_queue_answers_resource_exhausted(seq_models):
         warmup_iterations=0,
     )
     with server, server.channel() as channel:
+        made["seq-mini"].batches.clear()  # the load's probe of the output layout
         stub = pb_grpc.RiskScoringStub(channel)
         with concurrent.futures.ThreadPoolExecutor(24) as pool:
             outcomes = list(pool.map(lambda i: _try(stub, request(i), 10), range(24)))
@@ -315,6 +319,7 @@ def test_calls_beyond_the_admission_limit_are_refused_at_once(seq_models):
         warmup_iterations=0,
     )
     with server, server.channel() as channel:
+        made["seq-mini"].batches.clear()  # the load's probe of the output layout
         stub = pb_grpc.RiskScoringStub(channel)
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
             outcomes = list(pool.map(lambda i: _try(stub, request(i), 10), range(12)))

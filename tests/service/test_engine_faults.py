@@ -66,6 +66,7 @@ def test_faulty_engine_falls_back_then_leaves_the_pool(seq_models, fault):
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         primary, _ = made["seq-mini"]
+        primary.batches.clear()  # the load's probe of the output layout
         assert stub.Score(request(0), timeout=5).engine == "primary"
         setattr(primary, fault, True)
         replies = [stub.Score(request(i), timeout=5) for i in range(1, 9)]
@@ -87,6 +88,7 @@ def test_hung_engine_is_abandoned_after_the_time_limit(seq_models):
         with server, server.channel() as channel:
             stub = pb_grpc.RiskScoringStub(channel)
             primary, _ = made["seq-mini"]
+            primary.batches.clear()  # the load's probe of the output layout
             assert stub.Score(request(0), timeout=5).engine == "primary"
             primary.hang = release
             first = stub.Score(request(1), timeout=5)
