@@ -18,6 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from service.server import SERVICE_NAMES
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 BASE = DEPLOY / "base"
@@ -164,15 +166,18 @@ def test_every_rendered_object_validates(rendered: tuple[Resource, ...], version
 def test_riskserve_probes_call_the_grpc_health_service_on_its_port(
     rendered: tuple[Resource, ...],
 ) -> None:
+    # A native gRPC probe calls grpc.health.v1.Health/Check. Readiness asks for the server ("":
+    # SERVING while every model is ready); startup and liveness for an API service's name,
+    # SERVING while the process serves, so a pod waiting for a model version is not restarted.
+    wanted = {"readinessProbe": {""}, "startupProbe": set(SERVICE_NAMES)}
+    wanted["livenessProbe"] = wanted["startupProbe"]
     for container in _riskserve_containers(rendered):
-        assert "readinessProbe" in container, container["name"]
+        assert {"readinessProbe", "livenessProbe"} <= container.keys(), container["name"]
         port = int(_setting(rendered, container, "RISKSERVE_PORT"))
         for kind, probe in _probes(container):
-            # A native gRPC probe calls grpc.health.v1.Health/Check; the empty service name asks
-            # for the server's overall status, which riskserve sets.
             assert set(probe) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, kind
             assert probe["grpc"]["port"] == port, (container["name"], kind)
-            assert probe["grpc"].get("service", "") == "", (container["name"], kind)
+            assert probe["grpc"].get("service", "") in wanted[kind], (container["name"], kind)
 
 
 def test_every_probe_targets_a_port_its_container_declares(
