@@ -31,6 +31,7 @@ import onnx
 import torch
 from torch import nn
 
+from demo.cutoffs import thresholds
 from demo.generator import (
     FEATURE_NAMES,
     FEATURE_RANGES,
@@ -201,25 +202,6 @@ def fit(train: DemoData, epochs: int, seed: int, batch_size: int = 512) -> Fraud
         elapsed_s = time.monotonic() - started
         print(f"epoch {epoch + 1}/{epochs} loss {total / len(labels):.4f} ({elapsed_s:.0f} s)")
     return net
-
-
-def thresholds(scores: np.ndarray, labels: np.ndarray, review_rate: float, precision: float):
-    """Review at the score flagging ``review_rate`` of rows; decline where precision is reached.
-
-    The decline cut-off is the lowest score at or above the review cut-off from which the
-    share of fraud among rows scoring at least that much is >= ``precision`` (and stays so for
-    every higher cut-off with at least 20 rows). Falls back to the 99.5th percentile.
-    """
-    review = float(np.quantile(scores, 1.0 - review_rate))
-    order = np.argsort(-scores)
-    s, y = scores[order], labels[order]
-    prec = np.cumsum(y) / np.arange(1, len(y) + 1)
-    ok = (prec >= precision) & (s >= review)
-    ok[:20] = True  # too few rows above to judge
-    bad = np.flatnonzero(~ok)
-    first_bad = int(bad[0]) if len(bad) else len(s)
-    decline = float(s[first_bad - 1]) if first_bad >= 20 else float(np.quantile(scores, 0.995))
-    return round(review, 4), round(max(decline, review), 4)
 
 
 def _export(scorer: Scorer, sample: dict[str, np.ndarray], path: Path) -> None:

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from families import EXPORTS, FEATURES, Exported, dataset, export, write_version
 from liveserver import LiveServer
 
+from demo.families import EXPORTS, FEATURES, Exported, dataset, export, write_version
 from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from riskscoring.v1 import risk_scoring_pb2 as pb
