@@ -91,10 +91,20 @@ def _stage_from_values(stage: str, count: int, values_s: Sequence[float]) -> Sta
     return StageStats(stage, count, p50_s * 1e3, p99_s * 1e3, max(values_s) * 1e3)
 
 
+NO_REQUESTS = "no requests in the window"
+
+
 def format_stats(snapshot: StatsSnapshot) -> str:
-    """One line per stage, e.g. for `riskserve stats` or a log line."""
-    lines = [f"window {snapshot.window_s:.1f} s"]
+    """One line per stage, e.g. for `riskserve stats` or a log line; a window that saw no
+    request says so in one line instead of percentiles of nothing."""
+    header = f"window {snapshot.window_s:.1f} s"
+    if not any(stage.count for stage in snapshot.stages):
+        return f"{header}: {NO_REQUESTS}"
+    lines = [header]
     for stage in snapshot.stages:
+        if not stage.count:
+            lines.append(f"{stage.stage:<10} n=0       none in the window")
+            continue
         lines.append(
             f"{stage.stage:<10} n={stage.count:<7d} p50={stage.p50_ms:8.3f} ms "
             f"p99={stage.p99_ms:8.3f} ms max={stage.max_ms:8.3f} ms"

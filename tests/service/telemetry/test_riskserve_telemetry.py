@@ -170,3 +170,24 @@ def test_stats_command_shows_live_percentiles(models):
             worker.join()
     assert done.returncode == 0, done.stderr
     assert "p99" in done.stdout
+
+
+def test_stats_command_on_an_idle_server_says_no_requests(models):
+    import subprocess
+    import sys
+
+    with serve(models, {}, metrics_port=0) as server:
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "stats", "--window-s", "0.2"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={
+                **os.environ,
+                "RISKSERVE_METRICS_PORT": str(server.server.telemetry.metrics_port),
+            },
+        )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "window 0.2 s: no requests in the window"
+    assert "nan" not in done.stdout
