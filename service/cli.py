@@ -257,7 +257,7 @@ def _build_engines(args: argparse.Namespace) -> int:
     try:
         plans = build_engines(
             args.model_dir,
-            tuple(args.precision),
+            tuple(args.precision or ("fp16", "int8")),
             contexts=args.contexts,
             workspace_bytes=args.workspace_mib * 1024 * 1024,
             rebuild=args.rebuild,
@@ -322,7 +322,12 @@ def _parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build-engines", help="build TensorRT plans (needs TensorRT and a GPU)")
     build.add_argument("model_dir", type=Path, help="models/<name>/<version>")
-    build.add_argument("--precision", action="append", choices=("fp32", "fp16", "int8"))
+    build.add_argument(
+        "--precision",
+        action="append",
+        choices=("fp32", "fp16", "int8"),
+        help="a precision to build; repeat for several (default: fp16 and int8)",
+    )
     build.add_argument("--contexts", type=int, default=2, help="profiles: concurrent contexts")
     build.add_argument("--workspace-mib", type=int, default=1024)
     build.add_argument("--rebuild", action="store_true", help="rebuild current plans too")

@@ -7,8 +7,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from engines.base import EngineUnavailable
 from engines.manifest import Manifest, load_manifest
+from engines.output import ML_DOMAIN, onnx_ml_operators
 from engines.trt.build import build_plan, repeat_profiles
 from engines.trt.cuda import CudaRuntime
 from engines.trt.engine import TensorRTEngine
@@ -61,12 +64,20 @@ def build_engines(
 ) -> list[Path]:
     """Build (or keep, when current) one plan per precision under ``<model_dir>/engines``.
 
-    Raises `EngineUnavailable` ("TensorRT is not installed: ...") on a host without TensorRT.
+    Raises `EngineUnavailable` ("TensorRT is not installed: ...") on a host without TensorRT,
+    and for a model of classic-ML operators (tree ensembles, linear classifiers), which
+    TensorRT has no layers for.
     """
-    trt = import_tensorrt()
-    cuda = cuda or CudaRuntime()
     model_dir = Path(model_dir)
     manifest = load_manifest(model_dir)
+    ml_operators = onnx_ml_operators(onnx.load(str(model_dir / "model.onnx")))
+    if ml_operators:
+        raise EngineUnavailable(
+            f"{manifest.name}/{manifest.version}: TensorRT has no layers for "
+            f"{', '.join(ml_operators)} ({ML_DOMAIN}); ONNX Runtime serves this model"
+        )
+    trt = import_tensorrt()
+    cuda = cuda or CudaRuntime()
     store = PlanStore(model_dir)
     store.folder.mkdir(parents=True, exist_ok=True)
     logger = make_logger(trt)
