@@ -62,13 +62,15 @@ class HistorySpec(_Frozen):
 class Thresholds(_Frozen):
     """Score cut-offs: below `review` approves, from `review` reviews, from `decline` declines."""
 
-    review: float = Field(ge=0.0, le=1.0)
-    decline: float = Field(ge=0.0, le=1.0)
+    review: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
+    decline: float = Field(ge=0.0, le=1.0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _ordered(self) -> Thresholds:
         if self.decline < self.review:
-            raise ValueError("thresholds.decline must be >= thresholds.review")
+            raise ValueError(
+                f"thresholds.decline {self.decline} is below thresholds.review {self.review}"
+            )
         return self
 
     def decide(self, score: float) -> str:
@@ -154,6 +156,11 @@ def _reason_codes(manifest: Manifest) -> tuple[ReasonCode, ...]:
         entry = spec.features.get(name)
         if entry is None:
             continue
+        if entry.baseline is not None and not np.isfinite(entry.baseline):
+            # Every occlusion would score NaN, and every request would get no reasons.
+            raise ValueError(
+                f"explanations.features[{name!r}].baseline: {entry.baseline} is not a finite number"
+            )
         if entry.code is None:
             if entry.text is not None:
                 raise ValueError(f"explanations.features[{name!r}].text: given without a code")
@@ -255,8 +262,12 @@ class Manifest(_Frozen):
         if unknown:
             raise ValueError(f"feature_ranges names unknown features: {', '.join(unknown)}")
         for name, (low, high) in self.feature_ranges.items():
+            if np.isnan(low) or np.isnan(high):
+                raise ValueError(f"feature_ranges[{name!r}]: [{low}, {high}] holds a NaN")
             if not low <= high:
                 raise ValueError(f"feature_ranges[{name!r}]: low {low} is above high {high}")
+            if low == np.inf or high == -np.inf:
+                raise ValueError(f"feature_ranges[{name!r}]: [{low}, {high}] admits no value")
         return self
 
     @property

@@ -3,11 +3,17 @@
 Each variant is compared with FP32 on the same rows: largest and mean absolute score error,
 AUC (labels given) and the share of decisions that change at the manifest's thresholds. The
 manifest's tolerance decides; a variant that fails is refused and never loaded.
+
+The report records the sha256 of every file it scored, ``model.onnx`` included. A variant is
+accepted only while both its own file and ``model.onnx`` still have the recorded contents: a
+``model.onnx`` replaced in place, or a variant rewritten, is unvalidated until the check runs
+again, so a variant made from old weights never answers for new ones.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +22,7 @@ import numpy as np
 
 from engines.manifest import Manifest, Tolerance, load_manifest
 from engines.onnxrt.engine import OnnxRuntimeEngine
+from engines.trt.plans import sha256_file
 
 __all__ = [
     "REPORT_FILE",
@@ -28,7 +35,10 @@ __all__ = [
     "write_report",
 ]
 
+log = logging.getLogger(__name__)
+
 REPORT_FILE = "validation.json"
+FP32_FILE = "model.onnx"
 #: FP32 first, then each reduced precision in the order it is checked
 PRECISION_ORDER = ("fp32", "fp16", "int8")
 
@@ -59,6 +69,8 @@ class VariantReport:
 
     precision: str
     file: str
+    #: the scored file's contents; None in a report written before hashes were recorded
+    sha256: str | None
     max_abs_error: float
     mean_abs_error: float
     auc: float
@@ -99,6 +111,14 @@ class ValidationReport:
     def passes(self, precision: str) -> bool:
         return self.variant(precision).passes(self.tolerance)
 
+    @property
+    def onnx_sha256(self) -> str | None:
+        """The sha256 of the ``model.onnx`` every variant was compared with, if recorded."""
+        for v in self.variants:
+            if v.precision == "fp32" and v.file == FP32_FILE:
+                return v.sha256
+        return None
+
     def to_dict(self) -> dict[str, object]:
         return {
             "model": self.model,
@@ -121,7 +141,7 @@ class ValidationReport:
             rows=int(data["rows"]),
             tolerance=Tolerance.model_validate(data["tolerance"]),
             variants=tuple(
-                VariantReport(**{k: v for k, v in item.items() if k in fields})
+                VariantReport(**{"sha256": None, **{k: v for k, v in item.items() if k in fields}})
                 for item in data["variants"]
             ),
         )
@@ -152,7 +172,7 @@ def _scores(engine: OnnxRuntimeEngine, inputs: Mapping[str, np.ndarray], output:
 
 
 def _variant_files(model_dir: Path, manifest: Manifest) -> list[tuple[str, str]]:
-    files = [("fp32", "model.onnx")]
+    files = [("fp32", FP32_FILE)]
     order = [p for p in PRECISION_ORDER if p in manifest.variants]
     order += sorted(p for p in manifest.variants if p not in PRECISION_ORDER)
     files += [(p, manifest.variants[p]) for p in order if p != "fp32"]
@@ -174,6 +194,8 @@ def validate_model(
     ref_decisions: np.ndarray | None = None
     reports = []
     for precision, file in _variant_files(model_dir, manifest):
+        # Hashed before it is read: a file replaced meanwhile then fails the check at load.
+        sha256 = sha256_file(model_dir / file)
         engine = OnnxRuntimeEngine.from_path(model_dir / file, precision=precision)
         try:
             scores = _scores(engine, inputs, manifest.output)
@@ -188,6 +210,7 @@ def validate_model(
             VariantReport(
                 precision=precision,
                 file=file,
+                sha256=sha256,
                 max_abs_error=float(error.max()),
                 mean_abs_error=float(error.mean()),
                 auc=this_auc,
@@ -219,19 +242,80 @@ def accepted_variants(
     model_dir: Path, report: ValidationReport | None = None, manifest: Manifest | None = None
 ) -> dict[str, Path]:
     """Precision -> ONNX path of every variant allowed to load: FP32 always, others only if
-    `report` (else the saved ``validation.json``) shows they pass the manifest's tolerance.
+    `report` (else the saved ``validation.json``) shows they pass the manifest's tolerance and
+    both ``model.onnx`` and the variant's file still have the sha256 the report recorded.
 
-    A variant missing from the report, or one whose report was made for another model version,
-    counts as unvalidated and is refused.
+    Variants refused for want of a report that vouches for them as they are now (none, one for
+    another version, one without hashes, files changed since) are named in one WARNING that
+    says why and to run ``riskserve validate``; one that failed the tolerance is refused as the
+    report says.
     """
     manifest = manifest or load_manifest(model_dir)
-    report = report if report is not None else load_report(model_dir)
-    accepted = {"fp32": model_dir / "model.onnx"}
-    if report is None or (report.model, report.version) != (manifest.name, manifest.version):
+    accepted = {"fp32": model_dir / FP32_FILE}
+    if not manifest.variants:
         return accepted
-    checked = {v.precision: v for v in report.variants}
-    for precision, file in manifest.variants.items():
-        entry = checked.get(precision)
-        if entry is not None and entry.file == file and entry.passes(manifest.tolerance):
-            accepted[precision] = model_dir / file
+    problem = None
+    if report is None:
+        try:
+            report = load_report(model_dir)
+        except (ValueError, KeyError, TypeError) as exc:
+            problem = f"the report does not parse ({exc!r})"
+    problem = problem or _report_problem(model_dir, manifest, report)
+    refused: list[str] = []
+    if problem is not None:
+        refused.append(", ".join(f"{p} ({f})" for p, f in manifest.variants.items()))
+        refused[-1] += f": {problem}"
+    else:
+        assert report is not None
+        checked = {v.precision: v for v in report.variants}
+        for precision, file in manifest.variants.items():
+            why = _variant_problem(model_dir, file, checked.get(precision))
+            if why is not None:
+                refused.append(f"{precision} ({file}): {why}")
+            elif checked[precision].passes(manifest.tolerance):
+                accepted[precision] = model_dir / file
+    if refused:
+        log.warning(
+            "%s: not loading variants %s; run `riskserve validate %s` to check them again",
+            model_dir / REPORT_FILE,
+            "; ".join(refused),
+            model_dir,
+        )
     return accepted
+
+
+def _report_problem(
+    model_dir: Path, manifest: Manifest, report: ValidationReport | None
+) -> str | None:
+    """Why `report` vouches for no variant of the version in `model_dir`; None if it may."""
+    if report is None:
+        return "no report has been written"
+    if (report.model, report.version) != (manifest.name, manifest.version):
+        return (
+            f"the report is for {report.model} version {report.version}, "
+            f"not {manifest.name} version {manifest.version}"
+        )
+    recorded = report.onnx_sha256
+    if recorded is None:
+        return "the report records no file hashes (an older format)"
+    current = sha256_file(model_dir / FP32_FILE)
+    if recorded != current:
+        return (
+            f"{FP32_FILE} has changed since the report was made (sha256 {current[:12]}, "
+            f"the report has {recorded[:12]})"
+        )
+    return None
+
+
+def _variant_problem(model_dir: Path, file: str, entry: VariantReport | None) -> str | None:
+    """Why the report's `entry` does not vouch for the variant `file`; None if it does."""
+    if entry is None or entry.file != file:
+        return "not in the report"
+    if entry.sha256 is None:
+        return "the report records no hash of it"
+    path = model_dir / file
+    if not path.is_file():
+        return "the file is missing"
+    if entry.sha256 != sha256_file(path):
+        return "changed since the report was made"
+    return None

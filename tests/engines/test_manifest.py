@@ -1,4 +1,5 @@
-"""Manifest checks: declared feature ranges name real features and are ordered."""
+"""Manifest checks: declared feature ranges name real features and are ordered; thresholds are
+finite, within [0, 1] and ordered. Each refusal names the entry."""
 
 from __future__ import annotations
 
@@ -33,10 +34,59 @@ def test_bounds_follow_feature_order_and_are_open_where_undeclared():
     assert declared != manifest(feature_ranges={"c": [0, 2], "a": [-2, 2]})
 
 
+NAN, INF = float("nan"), float("inf")
+
+
 @pytest.mark.parametrize(
     ("ranges", "message"),
-    [({"d": [0, 1]}, "unknown features: d"), ({"a": [1, 0]}, "low 1.0 is above high 0.0")],
+    [
+        ({"d": [0, 1]}, "unknown features: d"),
+        ({"a": [1, 0]}, "feature_ranges['a']: low 1.0 is above high 0.0"),
+        ({"b": [NAN, 1]}, "feature_ranges['b']: [nan, 1.0] holds a NaN"),
+        ({"b": [0, NAN]}, "feature_ranges['b']: [0.0, nan] holds a NaN"),
+        ({"c": [INF, INF]}, "feature_ranges['c']: [inf, inf] admits no value"),
+        ({"c": [-INF, -INF]}, "feature_ranges['c']: [-inf, -inf] admits no value"),
+    ],
 )
 def test_bad_ranges_are_refused(ranges, message):
-    with pytest.raises(ValidationError, match=message):
+    with pytest.raises(ValidationError) as caught:
         manifest(feature_ranges=ranges)
+    assert message in str(caught.value)
+
+
+def test_a_range_may_be_open_on_one_side():
+    bounds = manifest(feature_ranges={"a": [0, INF], "b": [-INF, 5]}).feature_bounds
+    assert bounds is not None
+    np.testing.assert_array_equal(bounds.low, [0, -np.inf, -np.inf])
+    np.testing.assert_array_equal(bounds.high, [np.inf, 5, np.inf])
+
+
+@pytest.mark.parametrize(
+    ("thresholds", "entry", "message"),
+    [
+        ({"review": NAN, "decline": 0.9}, "thresholds.review", "finite number"),
+        ({"review": 0.5, "decline": NAN}, "thresholds.decline", "finite number"),
+        ({"review": -INF, "decline": 0.9}, "thresholds.review", "finite number"),
+        ({"review": 0.5, "decline": INF}, "thresholds.decline", "finite number"),
+        ({"review": -0.1, "decline": 0.9}, "thresholds.review", "greater than or equal to 0"),
+        ({"review": 0.5, "decline": 1.5}, "thresholds.decline", "less than or equal to 1"),
+        (
+            {"review": 0.9, "decline": 0.5},
+            "thresholds",
+            "thresholds.decline 0.5 is below thresholds.review 0.9",
+        ),
+    ],
+)
+def test_thresholds_that_cannot_decide_are_refused(thresholds, entry, message):
+    with pytest.raises(ValidationError) as caught:
+        manifest(thresholds=thresholds)
+    (error,) = caught.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == entry
+    assert message in str(caught.value)
+
+
+def test_thresholds_may_meet_and_touch_the_ends():
+    assert manifest(thresholds={"review": 0.0, "decline": 0.0}).thresholds.decide(0.0) == "DECLINE"
+    assert manifest(thresholds={"review": 1.0, "decline": 1.0}).thresholds.decide(0.99) == (
+        "APPROVE"
+    )

@@ -60,6 +60,23 @@ def test_bad_explanations_are_refused_at_load(explanations, history, message):
     assert message in str(caught.value)
 
 
+@pytest.mark.parametrize("baseline", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("coded", [True, False])
+def test_a_baseline_that_is_not_a_finite_number_is_refused_naming_it(tmp_path, baseline, coded):
+    """Occluding with it would score NaN: every explained request would get no reasons, the
+    declines included. The manifest file is refused at load instead, naming the entry."""
+    entry = (
+        {"baseline": baseline, "code": "AMT", "text": "amount"} if coded else {"baseline": baseline}
+    )
+    data = _manifest({"features": {"a": {"baseline": 1.0}, "b": entry}})
+    (tmp_path / "manifest.json").write_text(json.dumps(data))  # NaN and Infinity, as JSON allows
+    with pytest.raises(ValidationError) as caught:
+        load_manifest(tmp_path)
+    assert f"explanations.features['b'].baseline: {baseline} is not a finite number" in str(
+        caught.value
+    )
+
+
 def test_codes_group_features_and_history_sorted_by_code():
     manifest = Manifest.model_validate(
         _manifest(

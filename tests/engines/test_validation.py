@@ -10,6 +10,7 @@ from sklearn.metrics import roc_auc_score
 
 from engines.onnxrt import OnnxRuntimeEngine
 from engines.precision import make_variants, set_manifest_variants
+from engines.trt.plans import sha256_file
 from engines.validation import (
     ValidationReport,
     accepted_variants,
@@ -99,3 +100,124 @@ def test_report_for_another_version_is_ignored(model_dir: Path, inputs_factory) 
     other = ValidationReport(report.model, "999", report.rows, report.tolerance, report.variants)
     assert set(accepted_variants(model_dir, other)) == {"fp32"}
     assert "fp16" in accepted_variants(model_dir, report)
+
+
+def _validated(model_dir: Path, inputs_factory) -> ValidationReport:
+    """Variants made and checked under a tolerance any variant meets, the report saved: every
+    variant is accepted."""
+    manifest = json.loads((model_dir / "manifest.json").read_text())
+    manifest["tolerance"] = {"max_abs_error": 1.0, "auc_drop": 1.0, "flip_rate": 1.0}
+    (model_dir / "manifest.json").write_text(json.dumps(manifest))
+    make_variants(model_dir)
+    inputs, labels = _held_out(model_dir, inputs_factory, n=400)
+    report = validate_model(model_dir, inputs, labels)
+    write_report(model_dir, report)
+    assert set(accepted_variants(model_dir)) == {"fp32", "fp16", "int8"}
+    return report
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "engines.validation" and r.levelname == "WARNING"
+    ]
+
+
+def test_report_records_the_sha256_of_every_file_it_scored(model_dir: Path, inputs_factory) -> None:
+    report = _validated(model_dir, inputs_factory)
+    assert report.onnx_sha256 == sha256_file(model_dir / "model.onnx")
+    for v in report.variants:
+        assert v.sha256 == sha256_file(model_dir / v.file)
+    saved = json.loads((model_dir / "validation.json").read_text())
+    assert [v["sha256"] for v in saved["variants"]] == [v.sha256 for v in report.variants]
+
+
+def test_model_replaced_in_place_refuses_every_variant_with_one_warning(
+    model_dir: Path, inputs_factory, model_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The FP16/INT8 files were made from the old weights: the report vouches for them only
+    beside the `model.onnx` it compared them with."""
+    _validated(model_dir, inputs_factory)
+    caplog.clear()
+    onnx.save(model_factory(seed=9), model_dir / "model.onnx")
+    assert accepted_variants(model_dir) == {"fp32": model_dir / "model.onnx"}
+    (message,) = _refusals(caplog)
+    assert str(model_dir / "validation.json") in message
+    assert "model.fp16.onnx" in message and "model.int8.onnx" in message
+    assert "model.onnx has changed since the report was made" in message
+    assert f"riskserve validate {model_dir}" in message
+    # The check run again vouches for the variants beside the new weights (here: made again).
+    caplog.clear()
+    _validated(model_dir, inputs_factory)
+    assert _refusals(caplog) == []
+
+
+def test_variant_rewritten_after_the_check_is_refused_alone(
+    model_dir: Path, inputs_factory, model_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    _validated(model_dir, inputs_factory)
+    caplog.clear()
+    onnx.save(model_factory(weight_noise=0.5), model_dir / "model.int8.onnx")
+    assert set(accepted_variants(model_dir)) == {"fp32", "fp16"}
+    (message,) = _refusals(caplog)
+    assert "int8 (model.int8.onnx): changed since the report was made" in message
+    assert "fp16" not in message
+
+
+def test_report_without_hashes_validates_no_variant(
+    model_dir: Path, inputs_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A report written before hashes were recorded says nothing about the files now."""
+    _validated(model_dir, inputs_factory)
+    path = model_dir / "validation.json"
+    data = json.loads(path.read_text())
+    for variant in data["variants"]:
+        del variant["sha256"]
+    path.write_text(json.dumps(data))
+    caplog.clear()
+    report = load_report(model_dir)
+    assert report is not None and report.onnx_sha256 is None
+    assert report.passes("fp16")  # still readable, as a record of the old check
+    assert set(accepted_variants(model_dir)) == {"fp32"}
+    (message,) = _refusals(caplog)
+    assert "no file hashes (an older format)" in message
+    assert "riskserve validate" in message
+
+
+def test_report_copied_from_another_version_is_named_in_the_warning(
+    model_dir: Path, inputs_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    report = _validated(model_dir, inputs_factory)
+    data = json.loads(report.to_json())
+    data["version"] = "0"
+    (model_dir / "validation.json").write_text(json.dumps(data))
+    caplog.clear()
+    assert set(accepted_variants(model_dir)) == {"fp32"}
+    (message,) = _refusals(caplog)
+    assert str(model_dir / "validation.json") in message
+    assert "the report is for tiny version 0, not tiny version 1" in message
+
+
+def test_declared_variants_without_a_report_are_refused_loudly(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    make_variants(model_dir)
+    assert set(accepted_variants(model_dir)) == {"fp32"}
+    (message,) = _refusals(caplog)
+    assert "no report has been written" in message
+
+
+def test_no_variants_declared_means_no_check_and_no_warning(
+    model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert set(accepted_variants(model_dir)) == {"fp32"}
+    assert _refusals(caplog) == []
+
+
+def test_the_committed_demo_variants_are_vouched_for_as_they_are(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    demo = Path(__file__).resolve().parents[2] / "models" / "fraud-demo" / "1"
+    assert set(accepted_variants(demo)) == {"fp32", "fp16", "int8"}
+    assert _refusals(caplog) == []

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 from fakes import FakeEngine
 from liveserver import REPO
-from modelkit import write_sequence_model
+from modelkit import add_validated_variants, write_sequence_model, write_tabular_model
+from pydantic import ValidationError
 
 from engines.manifest import ProfileSpec, load_manifest
 from service.batching.rows import RowBatch
@@ -32,9 +36,9 @@ def test_without_engine_profiles_the_manifest_profiles_cap_the_batch():
     assert batch_cap(1024, small, []) == 12
 
 
-def _loader() -> VersionLoader:
+def _loader(onnx_variants: bool = False) -> VersionLoader:
     return VersionLoader(
-        default_engines(1, 1, tensorrt=False, onnx_variants=False),
+        default_engines(1, 1, tensorrt=False, onnx_variants=onnx_variants),
         max_batch_rows=16,
         max_queue_rows=64,
         workers=1,
@@ -66,3 +70,46 @@ def test_a_declared_history_broadcast_is_checked_at_load(tmp_path):
 
 def test_the_demo_model_broadcasts_its_history():
     assert DEMO.history is not None and DEMO.history.broadcast
+
+
+def _refusals(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelname == "WARNING" and "validation.json" in r.getMessage()
+    ]
+
+
+def test_validated_variants_load_beside_fp32(tmp_path, caplog):
+    version = write_tabular_model(tmp_path, version="1")
+    add_validated_variants(version)
+    engines = {e.name for e in _loader(onnx_variants=True).build(version).pool.engines}
+    assert engines == {"onnxruntime-cpu", "onnxruntime-cpu-fp16", "onnxruntime-cpu-int8"}
+    assert _refusals(caplog) == []
+
+
+def test_a_version_copied_with_another_versions_report_loads_fp32_and_warns(tmp_path, caplog):
+    """A new version made by copying the last one, `validation.json` and variants included:
+    the report vouches for version 1, so version 2 serves from FP32 alone, and one WARNING
+    names the report and why."""
+    add_validated_variants(write_tabular_model(tmp_path, version="1"))
+    copied = shutil.copytree(tmp_path / "credit-lite" / "1", tmp_path / "credit-lite" / "2")
+    manifest = json.loads((copied / "manifest.json").read_text())
+    (copied / "manifest.json").write_text(json.dumps({**manifest, "version": "2"}))
+    model = _loader(onnx_variants=True).build(copied)
+    assert model.pool.engines == () and model.pool.fallback.name == "onnxruntime-cpu"
+    (warning,) = _refusals(caplog)
+    assert str(copied / "validation.json") in warning
+    assert "the report is for credit-lite version 1, not credit-lite version 2" in warning
+    assert f"riskserve validate {copied}" in warning
+
+
+def test_a_manifest_value_that_cannot_work_refuses_the_version_naming_it(tmp_path):
+    version = write_tabular_model(tmp_path, version="1")
+    manifest = json.loads((version / "manifest.json").read_text())
+    manifest["explanations"] = {
+        "features": {"f2": {"baseline": float("nan"), "code": "F2", "text": "f2 is high"}}
+    }
+    (version / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValidationError, match=r"explanations\.features\['f2'\]\.baseline"):
+        _loader().build(version)

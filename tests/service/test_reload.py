@@ -5,6 +5,7 @@ whose files change in place is reloaded the same way, or refused loudly."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import threading
@@ -15,7 +16,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from liveserver import LiveServer, server_process
-from modelkit import write_tabular_model
+from modelkit import add_validated_variants, write_tabular_model
 from scrape import scraped_total
 from waiting import wait_until
 
@@ -112,10 +113,8 @@ def test_sighup_loads_a_new_version_at_once(tmp_path):
         assert proc.poll() is None
 
 
-def direct_score(version_dir: Path, features: list[float]) -> float:
-    session = ort.InferenceSession(
-        str(version_dir / "model.onnx"), providers=["CPUExecutionProvider"]
-    )
+def direct_score(version_dir: Path, features: list[float], file: str = "model.onnx") -> float:
+    session = ort.InferenceSession(str(version_dir / file), providers=["CPUExecutionProvider"])
     return float(session.run(["score"], {"x": np.array([features], np.float32)})[0][0, 0])
 
 
@@ -229,3 +228,144 @@ def test_changed_files_that_do_not_load_are_refused_logged_and_counted(tmp_path,
         assert stub.Score(request(0), timeout=5).score == pytest.approx(new, abs=1e-6)
         assert reloads(url, "replaced") == 1
     assert watcher.refused == 1
+
+
+VARIANTS = ("model.fp16.onnx", "model.int8.onnx")
+FP32_ENGINE = "onnxruntime-cpu"
+
+
+def one_of(score: float, scores: set[float]) -> bool:
+    return any(score == pytest.approx(s, abs=1e-6) for s in scores)
+
+
+def engine_names(stub: pb_grpc.RiskScoringStub) -> set[str]:
+    return {e.name for e in stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5).engines}
+
+
+def test_model_replaced_in_place_never_answers_from_its_old_variants(tmp_path, caplog):
+    """`model.onnx` replaced under traffic beside FP16/INT8 variants made from the old weights:
+    from the reload on the variants are refused with one WARNING, and no reply carries an old
+    weights' score; once the check runs again, variants load beside the new weights."""
+    models = tmp_path / "models"
+    served_dir = write_tabular_model(models, version="1", seed=0)
+    add_validated_variants(served_dir)
+    staged = write_tabular_model(tmp_path / "staged", version="1", seed=5)
+    features = [0.2 * j for j in range(5)]
+    old = {direct_score(served_dir, features, f) for f in ("model.onnx", *VARIANTS)}
+    new = direct_score(staged, features)
+    assert min(abs(score - new) for score in old) > 0.1
+    server = LiveServer(
+        models_dir=models,
+        default_model="credit-lite",
+        reload_interval_s=0.1,
+        reload_drain_s=2,
+        budget_ms=3000,
+        onnx_variants=True,
+        tensorrt=False,
+    )
+    stop = threading.Event()
+    replies: list[pb.ScoreResponse] = []
+    failures: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+
+    def client(stub: pb_grpc.RiskScoringStub) -> None:
+        while not stop.is_set():
+            try:
+                reply = stub.Score(request(0), timeout=5)
+                with lock:
+                    replies.append(reply)
+            except grpc.RpcError as exc:
+                with lock:
+                    failures.append(exc.code())
+
+    def refusals() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "engines.validation" and r.levelname == "WARNING"
+        ]
+
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        watcher = server.server.watcher
+        assert watcher is not None
+        assert engine_names(stub) == {FP32_ENGINE, f"{FP32_ENGINE}-fp16", f"{FP32_ENGINE}-int8"}
+        threads = [threading.Thread(target=client, args=(stub,)) for _ in range(CLIENTS)]
+        for t in threads:
+            t.start()
+        try:
+            wait_until(lambda: len(replies) > 50)
+            # The new weights land in one step, as a deploy script's rename would.
+            shutil.copyfile(staged / "model.onnx", tmp_path / "model.onnx")
+            os.replace(tmp_path / "model.onnx", served_dir / "model.onnx")
+            wait_until(lambda: watcher.reloads == 1)  # swapped in, the old instance drained
+            seen = len(replies)
+            wait_until(lambda: len(replies) > seen + 50)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+        after_reload = engine_names(stub)
+        warnings = refusals()
+
+        # `riskserve validate` run again (here on variants made from the new weights, staged
+        # and moved in, the report last): the variants serve again.
+        add_validated_variants(staged)
+        for name in (*VARIANTS, "validation.json"):
+            os.replace(staged / name, served_dir / name)
+        wait_until(lambda: len(engine_names(stub)) == 3)
+        refreshed = stub.Score(request(0), timeout=5)
+
+    assert failures == []
+    assert watcher.refused == 0
+    assert one_of(replies[0].score, old)
+    for reply in replies:  # every score is one an old file or the new model.onnx gives
+        assert one_of(reply.score, {*old, new}), reply
+    # Past the one reply each client may still have had on its way back when the reload was
+    # reported, every reply has the new weights, from FP32: the old variants are not loaded.
+    for reply in replies[seen + CLIENTS :]:
+        assert (reply.score, reply.engine) == (pytest.approx(new, abs=1e-6), FP32_ENGINE)
+    assert after_reload == {FP32_ENGINE}
+    (warning,) = warnings
+    assert str(served_dir / "validation.json") in warning
+    assert all(name in warning for name in VARIANTS)
+    assert "model.onnx has changed since the report was made" in warning
+    assert f"riskserve validate {served_dir}" in warning
+    assert refreshed.score == pytest.approx(new, abs=0.05)
+
+
+def test_new_version_with_a_manifest_value_that_cannot_work_is_refused(tmp_path, caplog):
+    """A NaN baseline would leave every explained request without reasons: the version is
+    refused at load, the log names the entry, and the version before serves on."""
+    models = tmp_path / "models"
+    write_tabular_model(models, version="1", seed=0)
+    staged = write_tabular_model(tmp_path / "staging", version="2", seed=1)
+    manifest = json.loads((staged / "manifest.json").read_text())
+    manifest["explanations"] = {
+        "features": {"f3": {"baseline": float("nan"), "code": "F3", "text": "f3 is high"}}
+    }
+    (staged / "manifest.json").write_text(json.dumps(manifest))
+    server = LiveServer(
+        models_dir=models,
+        default_model="credit-lite",
+        reload_interval_s=0.1,
+        budget_ms=3000,
+        onnx_variants=False,
+        tensorrt=False,
+    )
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        watcher = server.server.watcher
+        assert watcher is not None
+        shutil.copytree(staged, models / "credit-lite" / "2")
+        wait_until(lambda: watcher.refused == 1)
+        reply = stub.Score(request(0), timeout=5)
+        info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
+    assert reply.model_version == "1"
+    assert list(info.versions) == ["1"]
+    (error,) = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert str(models / "credit-lite" / "2") in error.getMessage()
+    assert error.exc_info is not None
+    assert "explanations.features['f3'].baseline: nan is not a finite number" in str(
+        error.exc_info[1]
+    )
