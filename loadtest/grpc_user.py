@@ -118,7 +118,7 @@ class ModelSchema:
     feature_names: tuple[str, ...]
     history_fields: tuple[str, ...]
     max_history_length: int
-    max_batch_size: int
+    max_score_batch_requests: int
     nan_policy: str
     oip_inputs: tuple[OipInput, ...]
 
@@ -138,7 +138,7 @@ class ModelSchema:
             feature_names=tuple(info.feature_names),
             history_fields=tuple(info.history_fields),
             max_history_length=info.max_history_length,
-            max_batch_size=info.max_batch_size,
+            max_score_batch_requests=info.max_score_batch_requests,
             nan_policy=info.nan_policy,
             oip_inputs=tuple(
                 OipInput(name=t.name, datatype=t.datatype, shape=tuple(t.shape))

@@ -87,7 +87,7 @@ class RiskScoringUser(GrpcUser):
         limit = schema.max_history_length or LONG_HISTORY_ROWS[1]
         self.short_rows = (min(SHORT_HISTORY_ROWS[0], limit), min(SHORT_HISTORY_ROWS[1], limit))
         self.long_rows = (min(LONG_HISTORY_ROWS[0], limit), min(LONG_HISTORY_ROWS[1], limit))
-        most = schema.max_batch_size or BATCH_SIZES[1]
+        most = schema.max_score_batch_requests or BATCH_SIZES[1]
         self.batch_sizes = (min(BATCH_SIZES[0], most), min(BATCH_SIZES[1], most))
         self.score_call = self.score_method()
 

@@ -190,7 +190,8 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             feature_names=manifest.features,
             history_fields=history.fields if history else (),
             max_history_length=history.max_length if history else 0,
-            max_batch_size=manifest.max_batch_size,
+            max_batch_size=model.batcher.max_batch_rows,
+            max_score_batch_requests=manifest.max_batch_size,
             nan_policy=manifest.nan_policy,
             thresholds=pb.Thresholds(
                 review=manifest.thresholds.review, decline=manifest.thresholds.decline

@@ -114,7 +114,7 @@ class RiskScoring(risk_scoring_pb2_grpc.RiskScoringServicer):
             feature_names=FEATURES,
             history_fields=HISTORY_FIELDS,
             max_history_length=MAX_ROWS,
-            max_batch_size=MANIFEST.max_batch_size,
+            max_score_batch_requests=MANIFEST.max_batch_size,
             nan_policy=MANIFEST.nan_policy,
         )
 

@@ -93,6 +93,17 @@ def test_info_prints_schema(live):
     assert info["historyFields"] == list(HISTORY_FIELDS)
 
 
+def test_info_shows_the_batch_limits_the_server_uses(live):
+    """The rows the server batches at most (the `live` server's max_batch_size is 32), and
+    apart from it the manifest's limit on requests in one ScoreBatch call."""
+    done = run_cli("info", "--target", live.target, "--model", "fraud-demo")
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert info["maxBatchSize"] == 32
+    manifest = live.server.registry.get("fraud-demo").manifest
+    assert info["maxScoreBatchRequests"] == manifest.max_batch_size == 256
+
+
 def test_readme_quick_start_request(live, tmp_path):
     """The README's quick start: a sample request from the demo, scored by the CLI."""
     sample = subprocess.run(

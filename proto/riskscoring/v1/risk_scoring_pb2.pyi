@@ -169,7 +169,7 @@ class EngineInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., precision: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_history_length: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "model_version", "versions", "feature_names", "history_fields", "max_history_length", "max_batch_size", "nan_policy", "thresholds", "engines", "description")
+    __slots__ = ("model", "model_version", "versions", "feature_names", "history_fields", "max_history_length", "max_batch_size", "nan_policy", "thresholds", "engines", "description", "max_score_batch_requests")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +181,7 @@ class ModelInfo(_message.Message):
     THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     model_version: str
     versions: _containers.RepeatedScalarFieldContainer[str]
@@ -192,4 +193,5 @@ class ModelInfo(_message.Message):
     thresholds: Thresholds
     engines: _containers.RepeatedCompositeFieldContainer[EngineInfo]
     description: str
-    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., feature_names: _Optional[_Iterable[str]] = ..., history_fields: _Optional[_Iterable[str]] = ..., max_history_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., nan_policy: _Optional[str] = ..., thresholds: _Optional[_Union[Thresholds, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., description: _Optional[str] = ...) -> None: ...
+    max_score_batch_requests: int
+    def __init__(self, model: _Optional[str] = ..., model_version: _Optional[str] = ..., versions: _Optional[_Iterable[str]] = ..., feature_names: _Optional[_Iterable[str]] = ..., history_fields: _Optional[_Iterable[str]] = ..., max_history_length: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., nan_policy: _Optional[str] = ..., thresholds: _Optional[_Union[Thresholds, _Mapping]] = ..., engines: _Optional[_Iterable[_Union[EngineInfo, _Mapping]]] = ..., description: _Optional[str] = ..., max_score_batch_requests: _Optional[int] = ...) -> None: ...
