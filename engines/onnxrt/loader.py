@@ -100,13 +100,28 @@ class SessionFromPath:
 
 
 def _with_outputs(path: Path, names: Sequence[str]) -> bytes:
-    """The model at `path`, serialized with `names` added to its graph's outputs."""
+    """The model at `path`, serialized with `names` added to its graph's outputs, and without
+    the ZipMap nodes that map them: their sequences of maps would be built on every run and
+    never fetched."""
     import onnx
 
     model = onnx.load(str(path))
-    types = {v.name: v.type.tensor_type.elem_type for v in model.graph.value_info}
+    graph = model.graph
+    types = {v.name: v.type.tensor_type.elem_type for v in graph.value_info}
     for name in names:
-        if name not in {o.name for o in model.graph.output}:
+        if name not in {o.name for o in graph.output}:
             elem = types.get(name, onnx.TensorProto.FLOAT)
-            model.graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+            graph.output.append(onnx.helper.make_tensor_value_info(name, elem, None))
+    consumed = {i for node in graph.node for i in node.input}
+    mapped = [
+        n
+        for n in graph.node
+        if n.op_type == "ZipMap" and n.input[0] in names and not consumed & set(n.output)
+    ]
+    dropped = {output for node in mapped for output in node.output}
+    for node in mapped:
+        graph.node.remove(node)
+    kept = [o for o in graph.output if o.name not in dropped]
+    del graph.output[:]
+    graph.output.extend(kept)
     return model.SerializeToString()
