@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from riskclient._connection import Connection
+from riskclient._connection import Connection, default_target
 from riskclient._messages import RequestLike, as_request
 from riskscoring.v1 import risk_scoring_pb2 as pb
 
@@ -14,17 +14,21 @@ __all__ = ["ClientBase"]
 
 class ClientBase:
     """Keyword arguments other than `target` build the `Connection` (TLS files, bearer token);
-    `timeout_s` is the default deadline of each call (None: the server's budget applies)."""
+    `timeout_s` is the default deadline of each call (None: the server's budget applies).
+    Without a `target` the client finds the server as the `riskserve` commands do, at
+    RISKSERVE_HOST:RISKSERVE_PORT (default 127.0.0.1:50051)."""
 
     def __init__(
         self,
-        target: str = "127.0.0.1:50051",
+        target: str | None = None,
         *,
         timeout_s: float | None = None,
         connection: Connection | None = None,
         **connection_settings: Any,
     ) -> None:
-        self.connection = connection or Connection(target, **connection_settings)
+        if connection is None:
+            connection = Connection(target or default_target(), **connection_settings)
+        self.connection = connection
         self.timeout_s = timeout_s
         self._metadata = self.connection.metadata
         self._open()

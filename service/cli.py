@@ -81,15 +81,11 @@ def _read_json(source: str) -> Any:
 
 
 def _reachable(host: str, port: int) -> str:
-    """`host:port` as a client on this host reaches a server bound there (a wildcard address
-    on loopback; an IPv6 address in brackets)."""
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host == "::":
-        host = "::1"
-    if ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
+    """`host:port` as a client on this host reaches a server bound there: the same rule as
+    the Python client's default target, which reads the same two settings."""
+    from riskclient._connection import reachable
+
+    return reachable(host, port)
 
 
 def _channel(args: argparse.Namespace) -> grpc.Channel:

@@ -87,3 +87,20 @@ def test_a_wrong_token_is_unauthenticated_on_both_paths(secured):
 def test_tls_files_come_in_pairs(tmp_path):
     with pytest.raises(ValueError, match="together"):
         Connection(tls_cert_file=tmp_path / "cert.pem")
+
+
+def test_without_a_target_the_client_finds_the_server_as_the_cli_does(live, monkeypatch):
+    """RISKSERVE_PORT (and RISKSERVE_HOST, a wildcard bind reached on loopback) name the
+    server, as for the `riskserve` commands: a server on another port than 50051 answers."""
+    monkeypatch.setenv("RISKSERVE_PORT", str(live.port))
+    monkeypatch.setenv("RISKSERVE_HOST", "0.0.0.0")
+    with RiskClient(timeout_s=10) as client:
+        assert client.connection.target == live.target
+        reply = client.score({**request(7), "model": "credit-lite"})
+    assert reply.request_id == "t7"
+
+
+def test_a_port_a_client_cannot_reach_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("RISKSERVE_PORT", "0")
+    with pytest.raises(ValueError, match="RISKSERVE_PORT='0'"):
+        Connection()
