@@ -22,6 +22,7 @@ import numpy as np
 
 from engines.manifest import Manifest, Tolerance, load_manifest
 from engines.onnxrt.engine import OnnxRuntimeEngine
+from engines.output import ScoreOutput, resolve_score_output
 from engines.trt.plans import sha256_file
 
 __all__ = [
@@ -162,12 +163,14 @@ class ValidationReport:
         return "\n".join(lines)
 
 
-def _scores(engine: OnnxRuntimeEngine, inputs: Mapping[str, np.ndarray], output: str) -> np.ndarray:
+def _scores(
+    engine: OnnxRuntimeEngine, inputs: Mapping[str, np.ndarray], score: ScoreOutput
+) -> np.ndarray:
     rows = len(next(iter(inputs.values())))
     chunks = []
     for start in range(0, rows, 1024):
         batch = {n: a[start : start + 1024] for n, a in inputs.items()}
-        chunks.append(np.asarray(engine.infer(batch)[output], dtype=np.float64).reshape(-1))
+        chunks.append(score.scores(engine.infer(batch)).astype(np.float64))
     return np.concatenate(chunks)
 
 
@@ -193,12 +196,15 @@ def validate_model(
     ref_auc = 0.0
     ref_decisions: np.ndarray | None = None
     reports = []
+    score = resolve_score_output(model_dir / FP32_FILE, manifest)
     for precision, file in _variant_files(model_dir, manifest):
         # Hashed before it is read: a file replaced meanwhile then fails the check at load.
         sha256 = sha256_file(model_dir / file)
-        engine = OnnxRuntimeEngine.from_path(model_dir / file, precision=precision)
+        engine = OnnxRuntimeEngine.from_model_dir(
+            model_dir, manifest, precision=precision, score=score
+        )
         try:
-            scores = _scores(engine, inputs, manifest.output)
+            scores = _scores(engine, inputs, score)
         finally:
             engine.close()
         decisions = decide(scores)

@@ -221,3 +221,18 @@ def test_the_committed_demo_variants_are_vouched_for_as_they_are(
     demo = Path(__file__).resolve().parents[2] / "models" / "fraud-demo" / "1"
     assert set(accepted_variants(demo)) == {"fp32", "fp16", "int8"}
     assert _refusals(caplog) == []
+
+
+def test_a_zipmap_classifier_is_validated_on_its_risk_class(tmp_path: Path):
+    """The check reads the score as the server does: the risk class's column of the maps."""
+    from demo.families import dataset, export, write_version
+
+    exported = export("logistic", True, tmp_path / "export")
+    folder = write_version(exported, tmp_path, "lr")
+    _, _, held_out = dataset()
+    want = exported.risk_scores(held_out)
+    labels = (want > 0.5).astype(np.int64)  # any labels with both classes will do
+    report = validate_model(folder, {exported.input_name: held_out}, labels)
+    (fp32,) = report.variants
+    assert fp32.precision == "fp32"
+    assert fp32.auc == pytest.approx(auc(labels, want), abs=1e-6)
