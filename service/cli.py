@@ -126,10 +126,10 @@ def _connection(args: argparse.Namespace) -> Connection:
     return Connection(target, tls=secure, tls_ca_file=tls_ca, auth_token=token or None)
 
 
-def _score_call(connection: Connection, payload: Any, args: argparse.Namespace) -> tuple[Any, Any]:
+def _score_call(connection: Connection, payload: Any, args: argparse.Namespace) -> Any:
     """The transport of `score`, through the project's client: one Score (an object) or
     ScoreBatch (a list, or an object with `requests`) call; returns the reply as JSON-ready
-    data, and the ScoreResponse of a single request (None for a batch)."""
+    data."""
     from google.protobuf import json_format
 
     from riskclient import RiskClient, ScoreBatchRequest, ScoreRequest, ScoringError
@@ -141,13 +141,13 @@ def _score_call(connection: Connection, payload: Any, args: argparse.Namespace) 
         raise CommandError(f"cannot read the TLS files: {exc}") from None
     with client:
         try:
-            if isinstance(payload, list) or "requests" in payload:
+            if _is_batch(payload):
                 body = {"requests": payload} if isinstance(payload, list) else payload
                 batch = json_format.ParseDict(body, ScoreBatchRequest())
                 replies = client.score_batch(
                     batch.requests, model=batch.model, model_version=batch.model_version
                 )
-                return {"responses": [json_format.MessageToDict(r) for r in replies]}, None
+                return {"responses": [json_format.MessageToDict(r) for r in replies]}
             request = json_format.ParseDict(payload, ScoreRequest())
             if args.explain:
                 request.explain_top_k, request.explain_when = args.top_k, EXPLAIN_ALWAYS
@@ -157,23 +157,27 @@ def _score_call(connection: Connection, payload: Any, args: argparse.Namespace) 
             if exc.code.name == "UNAVAILABLE":
                 details = f"cannot reach {args.resolved_target}: {details}"
             raise CommandError(f"{exc.code.name}: {details}", EXIT_STATUS) from None
-    return json_format.MessageToDict(reply), reply
+    return json_format.MessageToDict(reply)
 
 
 def _score(args: argparse.Namespace) -> int:
     payload = _read_json(args.request)
     if not isinstance(payload, dict | list):
         raise CommandError("the request must be a JSON object or a list of them")
-    reply, scored = _score_call(_connection(args), payload, args)
-    print(json.dumps(reply, indent=2))
-    if scored is not None:  # reasons readable beside the JSON, which keeps stdout
-        for reason in scored.reasons:
-            names = ", ".join(reason.features)
-            print(
-                f"{reason.code}  {reason.contribution:+.3f}  {reason.text}  ({names})",
-                file=sys.stderr,
-            )
+    if args.explain and _is_batch(payload):
+        # ScoreBatch refuses explain_top_k; scoring each request alone instead would be a
+        # different call, with its own budget each, than the batch the file asks for.
+        raise CommandError(
+            "--explain takes one request, not a batch (ScoreBatch gives no reasons): "
+            "score the requests one at a time"
+        )
+    reply = _score_call(_connection(args), payload, args)
+    print(json.dumps(reply, indent=2))  # with --explain, the reasons are in it
     return 0
+
+
+def _is_batch(payload: Any) -> bool:
+    return isinstance(payload, list) or "requests" in payload
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -362,7 +366,9 @@ def _parser() -> argparse.ArgumentParser:
         if name == "score":
             client.add_argument("request", help="JSON text, a file, or - for stdin")
             client.add_argument(
-                "--explain", action="store_true", help="ask for reasons, printed to stderr"
+                "--explain",
+                action="store_true",
+                help="ask for reason codes, printed in the JSON reply (one request, not a batch)",
             )
             client.add_argument("--top-k", type=int, default=3, help="reasons with --explain")
         else:

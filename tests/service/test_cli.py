@@ -120,6 +120,44 @@ def test_readme_quick_start_request(live, tmp_path):
     assert json.loads(done.stdout)["requestId"] == "demo-0"
 
 
+def _explained_request(live) -> dict:
+    """A demo request the model gives reasons for (an adverse contribution or more)."""
+    from google.protobuf import json_format
+
+    from demo.sample_request import sample_request
+    from riskscoring.v1 import risk_scoring_pb2 as pb
+    from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+
+    with live.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        for index in range(64):
+            request = sample_request(seed=3, index=index)
+            message = json_format.ParseDict(request, pb.ScoreRequest())
+            message.explain_top_k, message.explain_when = 3, pb.EXPLAIN_ALWAYS
+            if stub.Score(message, timeout=30).reasons:
+                return request
+    raise AssertionError("no demo request with reasons")
+
+
+def test_explain_prints_the_reasons_with_the_score_on_stdout(live, tmp_path):
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(_explained_request(live)))
+    done = run_cli("score", "--target", live.target, "--explain", str(path))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # stderr is for errors
+    reply = json.loads(done.stdout)
+    assert reply["reasons"] and all(r["code"] and r["text"] for r in reply["reasons"])
+
+
+def test_explain_on_a_batch_is_refused_in_one_line(live):
+    batch = json.dumps([{"requestId": "b0", "features": {}}, {"requestId": "b1", "features": {}}])
+    for payload in (batch, json.dumps({"requests": json.loads(batch)})):
+        done = run_cli("score", "--target", live.target, "--explain", payload)
+        assert done.returncode == 2
+        error = one_line_error(done, "score")
+        assert error.startswith("--explain takes one request, not a batch"), error
+
+
 def test_clients_find_the_server_from_its_settings(live):
     """No --target: `info` and `score` read RISKSERVE_HOST and RISKSERVE_PORT, as the server."""
     done = run_cli("info", "--model", "fraud-demo", port=str(live.port))
