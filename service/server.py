@@ -36,7 +36,7 @@ from service.models.loader import EngineFactory, VersionLoader, default_engines
 from service.models.registry import ModelRegistry
 from service.models.reload import ModelWatcher
 from service.models.routing import RequestRouter
-from service.telemetry import Telemetry, setup_telemetry
+from service.telemetry import Metrics, Telemetry, setup_telemetry
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
 
@@ -114,13 +114,13 @@ def _certificates(settings: Settings) -> CertificateFiles | None:
     )
 
 
-def _auth(settings: Settings) -> AuthInterceptor | None:
+def _auth(settings: Settings, metrics: Metrics) -> AuthInterceptor | None:
     tokens = None
     if settings.auth_token or settings.auth_tokens_file:
         tokens = TokenSource(settings.auth_token, settings.auth_tokens_file)
     if tokens is None and not settings.auth_client_names:
         return None
-    return AuthInterceptor(tokens, settings.auth_client_names)
+    return AuthInterceptor(tokens, settings.auth_client_names, metrics=metrics)
 
 
 def _with_watchdog(factory: EngineFactory, timeout_s: float) -> EngineFactory:
@@ -196,7 +196,7 @@ async def build_server(
         ("grpc.so_reuseport", 1 if settings.processes > 1 else 0),
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
     ]
-    auth = _auth(settings)
+    auth = _auth(settings, telemetry.metrics)
     interceptors: list[grpc.aio.ServerInterceptor] = [auth] if auth is not None else []
     server = grpc.aio.server(options=options, interceptors=interceptors)
     router = RequestRouter(registry, experiments)  # one routing rule for every path

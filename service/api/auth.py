@@ -4,7 +4,8 @@
 which probes and tools reach without credentials). A call without an accepted
 ``authorization: Bearer <token>`` header, or from a client certificate whose common name or
 subject alternative names are not on the allow-list, ends with UNAUTHENTICATED before its
-handler runs; the reply never says which part failed.
+handler runs; the reply never says which part failed, the `riskserve.auth.refused` counter
+(by method and reason) does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 import grpc
 
+from service.telemetry.metrics import Metrics
+
 __all__ = ["AuthInterceptor", "TokenSource"]
 
 log = logging.getLogger(__name__)
@@ -29,6 +32,8 @@ OPEN_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflect
 _IDENTITY_KEYS = ("x509_common_name", "x509_subject_alternative_name")
 
 Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]
+# Why a call is refused (one of metrics.AUTH_REFUSAL_REASONS), or None when it may proceed.
+Refusal = Callable[[grpc.aio.ServicerContext], str | None]
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -93,52 +98,61 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         tokens: TokenSource | None,
         client_names: Collection[str] = (),
         open_services: Collection[str] = OPEN_SERVICES,
+        metrics: Metrics | None = None,
     ) -> None:
         self._tokens = tokens
         self._client_names = frozenset(client_names)
         self._open = frozenset(open_services)
+        self._metrics = metrics
 
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        service = handler_call_details.method.lstrip("/").rpartition("/")[0]
+        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
         if handler is None or service in self._open:
-            return handler
-        token_ok = self._token_ok(handler_call_details.invocation_metadata)
-        return _guarded(handler, lambda context: token_ok and self._identity_ok(context))
+            return handler  # an unknown method is never counted: its name is the caller's
+        token_refusal = self._token_refusal(handler_call_details.invocation_metadata)
 
-    def _token_ok(self, metadata: Any) -> bool:
+        def refusal(context: grpc.aio.ServicerContext) -> str | None:
+            reason = token_refusal or self._identity_refusal(context)
+            if reason is not None and self._metrics is not None:
+                self._metrics.count_auth_refused(method, reason)
+            return reason
+
+        return _guarded(handler, refusal)
+
+    def _token_refusal(self, metadata: Any) -> str | None:
         if self._tokens is None:
-            return True
+            return None
+        given = False
         for key, value in metadata or ():
             if key == "authorization" and isinstance(value, str):
+                given = True
                 scheme, _, token = value.partition(" ")
                 if scheme.lower() == "bearer" and self._tokens.accepts(token.strip()):
-                    return True
-        return False
+                    return None
+        return "invalid_token" if given else "missing_token"
 
-    def _identity_ok(self, context: grpc.aio.ServicerContext) -> bool:
+    def _identity_refusal(self, context: grpc.aio.ServicerContext) -> str | None:
         if not self._client_names:
-            return True
+            return None
         auth = context.auth_context()
         names = {v.decode() for key in _IDENTITY_KEYS for v in auth.get(key, ())}
-        return not names.isdisjoint(self._client_names)
+        return None if not names.isdisjoint(self._client_names) else "client_identity"
 
 
 async def _deny(context: grpc.aio.ServicerContext) -> None:
     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials")
 
 
-def _guarded(
-    handler: grpc.RpcMethodHandler, allowed: Callable[[grpc.aio.ServicerContext], bool]
-) -> grpc.RpcMethodHandler:
-    """`handler` with `allowed(context)` checked before its behaviour runs."""
+def _guarded(handler: grpc.RpcMethodHandler, refusal: Refusal) -> grpc.RpcMethodHandler:
+    """`handler` with `refusal(context)` checked before its behaviour runs."""
     if handler.unary_unary is not None or handler.stream_unary is not None:
         unary = handler.unary_unary or handler.stream_unary
 
         async def respond(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if not allowed(context):
+            if refusal(context) is not None:
                 await _deny(context)
             return await unary(request, context)
 
@@ -151,7 +165,7 @@ def _guarded(
         streaming = handler.unary_stream or handler.stream_stream
 
         async def respond(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:  # type: ignore[misc]
-            if not allowed(context):
+            if refusal(context) is not None:
                 await _deny(context)
             result = streaming(request, context)
             if inspect.isasyncgen(result):

@@ -43,6 +43,10 @@ FALLBACK_REASONS = (
     "engines_unavailable",
 )
 
+# Why a call was refused UNAUTHENTICATED: no bearer token, one not accepted, or an mTLS client
+# identity not on the allow-list.
+AUTH_REFUSAL_REASONS = ("missing_token", "invalid_token", "client_identity")
+
 # Queue depth per (model, version).
 QueueDepthCallback = Callable[[], Mapping[tuple[str, str], int]]
 # Traces decided so far, by reason kept or 'dropped'.
@@ -96,6 +100,7 @@ class Metrics:
         self._fallback_counts: dict[tuple[str, str], int] = {}
         self._shed_counts: dict[tuple[str, str], int] = {}
         self._shadow_drop_counts: dict[str, int] = {}
+        self._auth_refusal_counts: dict[tuple[str, str], int] = {}
         meter.create_observable_counter(
             "riskserve.requests",
             callbacks=[self._observe_requests],
@@ -119,6 +124,12 @@ class Metrics:
             callbacks=[self._observe_shadow_drops],
             unit="{request}",
             description="Shadow copies dropped.",
+        )
+        meter.create_observable_counter(
+            "riskserve.auth.refused",
+            callbacks=[self._observe_auth_refusals],
+            unit="{call}",
+            description="Calls refused UNAUTHENTICATED, by RPC method and reason.",
         )
         self._model_reloads = meter.create_counter(
             "riskserve.model.reloads",
@@ -206,6 +217,13 @@ class Metrics:
         with self._counts_lock:
             self._shadow_drop_counts[model] = self._shadow_drop_counts.get(model, 0) + copies
 
+    def count_auth_refused(self, method: str, reason: str) -> None:
+        """A call to `method` (a registered RPC's name, so the labels stay bounded) was refused
+        for `reason`, one of AUTH_REFUSAL_REASONS."""
+        with self._counts_lock:
+            key = (method, reason)
+            self._auth_refusal_counts[key] = self._auth_refusal_counts.get(key, 0) + 1
+
     def loaded_labels(self, model: str, version: str) -> tuple[str, str]:
         """`model` and `version` as metric labels: kept where loaded, else UNKNOWN_LABEL.
 
@@ -269,6 +287,11 @@ class Metrics:
         with self._counts_lock:
             totals = dict.fromkeys(loaded, 0) | self._shadow_drop_counts
         return [Observation(n, {"model": m}) for m, n in totals.items()]
+
+    def _observe_auth_refusals(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._counts_lock:
+            counts = dict(self._auth_refusal_counts)
+        return [Observation(n, {"method": m, "reason": r}) for (m, r), n in counts.items()]
 
     def _observe_decisions(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._callback_lock:

@@ -11,6 +11,7 @@ from certs import Authority, write_atomically
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from liveserver import LiveServer
 from modelkit import write_tabular_model
+from scrape import scraped_total
 from waiting import wait_until
 
 from inference import grpc_service_pb2 as oip
@@ -71,6 +72,27 @@ def test_bearer_token(models):
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_refused_calls_are_counted_by_method_and_reason(models):
+    with serve(models, auth_token=TOKEN, metrics_port=0) as server, server.channel() as channel:
+        assert score(channel) == grpc.StatusCode.UNAUTHENTICATED
+        assert score(channel, "wrong") == grpc.StatusCode.UNAUTHENTICATED
+        assert score(channel, TOKEN, scheme="Basic") == grpc.StatusCode.UNAUTHENTICATED
+        assert score(channel, TOKEN) == grpc.StatusCode.OK
+        with pytest.raises(grpc.RpcError):
+            oip_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+                oip.ServerLiveRequest(), timeout=5
+            )
+        url = server.server.telemetry.metrics_url
+
+        def refused(**labels: str) -> float:
+            return scraped_total(url, "riskserve_auth_refused_total", **labels)
+
+        assert refused(method="Score", reason="missing_token") == 1
+        assert refused(method="Score", reason="invalid_token") == 2
+        assert refused(method="ServerLive", reason="missing_token") == 1
+        assert refused() == 4  # the accepted call and health checks are not refusals
+
+
 def test_tokens_file_is_reread_when_it_changes(models, tmp_path):
     tokens = tmp_path / "tokens"
     tokens.write_text("# one token a line\nfirst-token\n\n")
@@ -96,6 +118,7 @@ def test_mtls_identity_allow_list(models, tmp_path):
         "tls_key_file": files["key"],
         "tls_client_ca_file": files["ca"],
         "auth_client_names": ("decision-engine",),
+        "metrics_port": 0,
     }
 
     def channel_as(name: str) -> grpc.Channel:
@@ -109,3 +132,5 @@ def test_mtls_identity_allow_list(models, tmp_path):
         with channel_as("someone-else") as channel:
             assert score(channel) == grpc.StatusCode.UNAUTHENTICATED
             assert health_check(channel) == health_pb2.HealthCheckResponse.SERVING
+        url = server.server.telemetry.metrics_url
+        assert scraped_total(url, "riskserve_auth_refused_total", reason="client_identity") == 1
