@@ -394,10 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     run: Command = args.run
-    if args.command in _CLIENTS:
-        # gRPC's core would log a failed TLS handshake on stderr besides the status the
-        # command reports; it reads GRPC_VERBOSITY when grpc is first imported.
-        os.environ.setdefault("GRPC_VERBOSITY", "NONE")
+    # gRPC's core reads GRPC_VERBOSITY when grpc is first imported (below, in the command);
+    # unset, it leaves absl's default, INFO, and logs a line for every failed TLS handshake:
+    # a server would write one per plaintext or port-scanning connection, a client one beside
+    # the status the command reports. An exported GRPC_VERBOSITY (e.g. INFO) still wins.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE" if args.command in _CLIENTS else "ERROR")
     try:
         return run(args)
     except CommandError as exc:

@@ -44,6 +44,11 @@ read by the OpenTelemetry SDK itself; see [telemetry.md](telemetry.md). A variab
 `none` unsets an optional setting (`RISKSERVE_METRICS_PORT=none` turns the metrics endpoint
 off). Lists are JSON: `RISKSERVE_AUTH_CLIENT_NAMES='["billing", "payments"]'`.
 
+gRPC's core reads its own `GRPC_VERBOSITY` and `GRPC_TRACE`. Where `GRPC_VERBOSITY` is not
+exported, `riskserve serve` sets `ERROR` (unset, gRPC logs a line at INFO for every connection
+whose TLS handshake fails, one per plaintext client or port scan) and the client commands set
+`NONE` (they report a failed call in one line of their own); `GRPC_VERBOSITY=INFO` shows them.
+
 | Setting | Environment variable | Type | Default | Unit | Description |
 |---|---|---|---|---|---|
 """

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pydantic
 import pytest
 from certs import Authority, write_atomically
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from liveserver import LiveServer
+from liveserver import LiveServer, server_process
 from modelkit import write_tabular_model
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
@@ -129,3 +131,50 @@ def test_tls_settings_come_in_pairs(models, pki):
     _, files = pki
     with pytest.raises(pydantic.ValidationError, match="together"):
         Settings(models_dir=models, tls_cert_file=files["cert"])
+
+
+PLAINTEXT_CLIENTS = 200
+
+
+def _plaintext_connection(port: int) -> None:
+    """An HTTP/2 client without TLS: the server's handshake fails and it closes the socket,
+    which this waits for (so the server has handled the connection when it returns)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        try:
+            while sock.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+
+
+def _handshake_log_lines(models, files, **env: str) -> list[str]:
+    """The `riskserve serve` process's log lines about failed handshakes, after
+    PLAINTEXT_CLIENTS plaintext connections to its TLS port, read to the process's exit."""
+    output: list[str] = []
+    with server_process(
+        models,
+        output=output,
+        RISKSERVE_DEFAULT_MODEL="credit-lite",
+        RISKSERVE_ONNX_VARIANTS="false",
+        RISKSERVE_TLS_CERT_FILE=str(files["cert"]),
+        RISKSERVE_TLS_KEY_FILE=str(files["key"]),
+        **env,
+    ) as (_, target):
+        port = int(target.rsplit(":", 1)[1])
+        for _ in range(PLAINTEXT_CLIENTS):
+            _plaintext_connection(port)
+    return [line for line in output if "andshake" in line]
+
+
+def test_plaintext_connections_to_the_tls_port_log_no_line_each(models, pki, monkeypatch):
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
+    _, files = pki
+    assert _handshake_log_lines(models, files) == []
+
+
+def test_an_exported_grpc_verbosity_still_shows_each_handshake(models, pki):
+    """The operator's GRPC_VERBOSITY wins: INFO shows the lines the default leaves out."""
+    _, files = pki
+    lines = _handshake_log_lines(models, files, GRPC_VERBOSITY="INFO")
+    assert len(lines) >= PLAINTEXT_CLIENTS
