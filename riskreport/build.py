@@ -53,6 +53,7 @@ Progress = Callable[[str, int | None], None]
 """``progress(stage, rows)``: called as each stage of a report starts or finishes."""
 
 Unit = Literal["entity", "request"]
+_PLURAL: dict[str, str] = {"entity": "entities", "request": "requests"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,7 +241,7 @@ def build_report(
             options = replace(
                 options, labels_key=key, units=_scalar(con, "SELECT count(*) FROM units")
             )
-            say(f"{unit}s numbered", options.units)
+            say(f"{_PLURAL[unit]} numbered", options.units)
         return _report(con, options, say, start, end, thresholds)
 
 

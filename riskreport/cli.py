@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
@@ -34,8 +35,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--start", type=_utc, help="ISO 8601 start (inclusive); naive = UTC")
     parser.add_argument("--end", type=_utc, help="ISO 8601 end (exclusive); naive = UTC")
     parser.add_argument("--model-dir", type=Path, help="model version folder: its thresholds")
-    parser.add_argument("--review", type=float, help="review threshold (with --decline)")
-    parser.add_argument("--decline", type=float, help="decline threshold (with --review)")
+    parser.add_argument("--review", type=float, help="review threshold in [0, 1] (with --decline)")
+    parser.add_argument(
+        "--decline", type=float, help="decline threshold in [--review, 1] (with --review)"
+    )
     parser.add_argument(
         "--bootstrap", type=int, default=DEFAULT_RESAMPLES,
         help="Poisson-bootstrap resamples for the intervals; 0 = analytic (DeLong)",
@@ -63,8 +66,17 @@ def _settings_prefix() -> str:
     return Settings().shadow_log_prefix  # type: ignore[call-arg]  # fields from the environment
 
 
+class _OptionError(ValueError):
+    """Options that cannot be run as given; the message names the flags."""
+
+
 def run_shadow_report(args: argparse.Namespace) -> int:
     """Run with parsed options; prints the key table, returns the exit status."""
+    try:
+        thresholds = _thresholds(args)
+    except _OptionError as exc:
+        print(f"shadow-report: {exc}", file=sys.stderr)
+        return 2
     prefix = args.prefix or _settings_prefix()
     try:
         report = build_report(
@@ -72,7 +84,7 @@ def run_shadow_report(args: argparse.Namespace) -> int:
             start=args.start,
             end=args.end,
             labels_path=args.labels,
-            thresholds=_thresholds(args),
+            thresholds=thresholds,
             experiment=args.experiment,
             bootstrap_resamples=args.bootstrap,
             seed=args.seed,
@@ -106,8 +118,25 @@ def _utc(text: str) -> datetime:
 
 
 def _thresholds(args: argparse.Namespace) -> Thresholds | None:
+    """The decision thresholds: --model-dir's, or --review with --decline; or none. Raises
+    _OptionError naming the flags where they are incomplete, contradict, or cannot work."""
+    given = [flag for flag in ("--review", "--decline") if getattr(args, flag[2:]) is not None]
     if args.model_dir is not None:
+        if given:
+            raise _OptionError(f"--model-dir gives the thresholds: drop {' and '.join(given)}")
         return load_manifest(args.model_dir).thresholds
-    if args.review is not None and args.decline is not None:
-        return Thresholds(review=args.review, decline=args.decline)
-    return None
+    if not given:
+        return None
+    if len(given) == 1:
+        other = "--decline" if given == ["--review"] else "--review"
+        raise _OptionError(f"{given[0]} needs {other}: give both thresholds, or --model-dir")
+    review, decline = args.review, args.decline
+    for flag, value in (("--review", review), ("--decline", decline)):
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise _OptionError(f"{flag} {value:g} is not a score in [0, 1]")
+    if decline < review:
+        raise _OptionError(
+            f"--decline {decline:g} is below --review {review:g}: scores from --review up are "
+            "reviewed and from --decline up declined, so --decline must be at least --review"
+        )
+    return Thresholds(review=review, decline=decline)

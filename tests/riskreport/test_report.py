@@ -5,6 +5,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -174,6 +175,7 @@ def test_json_html_and_cli(
     assert f"flips {comparison['decision_flips']:,}" in terminal.out
     assert "verdict: challenger better at 95%" in terminal.out
     assert "records read: 3,000 rows" in terminal.err  # progress, with the rows read
+    assert "entities numbered" in terminal.err and "entitys" not in terminal.err
     assert data["first_record"] <= data["last_record"]
     assert data["records"] == 2 * N and data["thresholds"] == {"review": 0.5, "decline": 0.8}
     assert data["comparisons"][0]["verdict"] == "challenger better at 95%"
@@ -186,6 +188,33 @@ def test_json_html_and_cli(
     assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
     assert not re.search(r'(src|href)="(?!data:)', page)  # nothing fetched from elsewhere
     assert shadow_report_main(["--prefix", str(tmp_path / "none")]) == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        (["--review", "0.9"], "--review needs --decline: give both thresholds, or --model-dir"),
+        (["--decline", "0.5"], "--decline needs --review: give both thresholds, or --model-dir"),
+        (["--review", "0.9", "--decline", "0.5"], "--decline 0.5 is below --review 0.9: "),
+        (["--review", "1.5", "--decline", "2"], "--review 1.5 is not a score in [0, 1]"),
+        (["--model-dir", "m", "--decline", "1"], "--model-dir gives the thresholds: drop"),
+    ],
+)
+def test_thresholds_that_cannot_be_used_are_refused_in_one_line(
+    experiment: tuple[Path, Path, Traffic], options: list[str], error: str
+) -> None:
+    prefix, _, _ = experiment
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "shadow-report", "--prefix", str(prefix), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    assert line.startswith(f"shadow-report: {error}"), line
 
 
 def test_render_html_without_labels(experiment: tuple[Path, Path, Traffic]) -> None:
