@@ -184,13 +184,24 @@ class ModelRegistry:
     # -- loading ------------------------------------------------------------------------
 
     async def load_dir(self, models_dir: Path) -> None:
-        """Load every model version found under `models_dir`."""
+        """Load every model version found under `models_dir`. A version that does not load is
+        logged at ERROR with its reason and left out: one bad version stops no other from
+        serving. Raises `Unavailable` where no version loads."""
         found = discover_models(models_dir)
         if not found:
             raise Unavailable(f"no model with a manifest.json under {models_dir}")
+        refused = []
         for versions in found.values():
             for path in versions:
-                await self.load(path)
+                try:
+                    await self.load(path)
+                except Exception as exc:
+                    reason = str(exc) if str(path) in str(exc) else f"{path}: {exc}"
+                    log.error("not served: %s", reason)
+                    log.debug("why %s did not load", path, exc_info=True)
+                    refused.append(reason)
+        if not any(self._versions.values()):
+            raise Unavailable("no model version loads: " + "; ".join(refused))
         self._loaded = True
 
     async def load(self, path: Path) -> ModelVersion:

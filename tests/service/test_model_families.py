@@ -4,6 +4,7 @@ class, and a class-probability output with no declared risk class is refused at 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +107,25 @@ def test_an_undeclared_risk_class_is_refused_at_load(exported, tmp_path: Path):
     message = str(refused.value)
     assert f"output {exported.probability_output!r}" in message
     assert "classes [0, 1]" in message and "`risk_class`" in message
+
+
+def test_one_refused_version_stops_no_other_from_serving(tmp_path: Path, caplog):
+    exported = export("logistic", False, tmp_path / "export")
+    write_version(exported, tmp_path, MODEL, risk_class=None)
+    write_version(exported, tmp_path, "declared")
+    caplog.set_level(logging.ERROR, logger="service.models.registry")
+    live = LiveServer(models_dir=tmp_path, default_model="declared")
+    with live, live.channel() as channel:
+        oip_stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert oip_stub.ModelReady(oip.ModelReadyRequest(name="declared"), timeout=10).ready
+        assert not oip_stub.ModelReady(oip.ModelReadyRequest(name=MODEL), timeout=10).ready
+        assert oip_stub.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
+        request = score_request(0, np.zeros(len(FEATURES)))
+        request.model = "declared"
+        assert pb_grpc.RiskScoringStub(channel).Score(request, timeout=10).model == "declared"
+    (refusal,) = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert refusal.startswith("not served: ") and "`risk_class`" in refusal
+    assert "\n" not in refusal
 
 
 # LightGBM, exported with the converter's default ZipMap: codes over pairs and single features.
