@@ -91,9 +91,10 @@ class ProfileSpec(_Frozen):
 class Tolerance(_Frozen):
     """How far a reduced-precision variant may stray from FP32 before it is refused."""
 
-    max_abs_error: float = 0.05
-    auc_drop: float = 0.005
-    flip_rate: float = 0.01
+    # Finite, or every variant would pass: a comparison with NaN is always false.
+    max_abs_error: float = Field(0.05, ge=0.0, allow_inf_nan=False)
+    auc_drop: float = Field(0.005, ge=0.0, allow_inf_nan=False)
+    flip_rate: float = Field(0.01, ge=0.0, allow_inf_nan=False)
 
 
 _CODE_PATTERN = r"^[A-Za-z0-9_.-]{1,32}$"

@@ -90,3 +90,11 @@ def test_thresholds_may_meet_and_touch_the_ends():
     assert manifest(thresholds={"review": 1.0, "decline": 1.0}).thresholds.decide(0.99) == (
         "APPROVE"
     )
+
+
+@pytest.mark.parametrize("value", [NAN, INF, -0.1])
+def test_a_tolerance_that_would_pass_every_variant_is_refused(value):
+    with pytest.raises(ValidationError) as caught:
+        manifest(tolerance={"max_abs_error": value})
+    (error,) = caught.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == "tolerance.max_abs_error"
