@@ -14,6 +14,9 @@
   files do not load, the old instance serves on, the error is logged and counted
   (``riskserve_model_reloads_total{outcome="refused"}``); nothing is silently ignored.
 
+A refused change is logged once, as one ERROR line that names the folder and the reason; its
+traceback goes to DEBUG.
+
 A scan runs every `interval_s` (0: never on a timer) and whenever `trigger()` is called, which
 the server does on SIGHUP. A folder being copied in is not loaded half-written: a timed scan acts
 on a folder only once its files (names, sizes, mtimes) have stood still for a quarter second. A
@@ -155,8 +158,8 @@ class ModelWatcher:
         old = self._serving(name)
         try:
             await registry.load(path)
-        except Exception:
-            self._refuse(path, snapshot, "could not load %s; it is retried once its files change")
+        except Exception as exc:
+            self._refuse(path, snapshot, exc, "is not loaded; it is retried once its files change")
             return False
         self._count(name, "loaded")
         new = self._serving(name)
@@ -174,11 +177,12 @@ class ModelWatcher:
         name, version = path.parent.name, path.name
         try:
             await self._registry.reload(path, self.drain_s)
-        except Exception:
+        except Exception as exc:
             self._refuse(
                 path,
                 snapshot,
-                "the files of %s changed but do not load; the version serves on from its "
+                exc,
+                "changed but its new files do not load; the version serves on from its "
                 "previous files until they change again",
             )
             return False
@@ -193,8 +197,13 @@ class ModelWatcher:
         except Exception:  # not loaded, or its configured version is not
             return None
 
-    def _refuse(self, path: Path, snapshot: FolderSnapshot, message: str) -> None:
-        log.exception(message, path)
+    def _refuse(
+        self, path: Path, snapshot: FolderSnapshot, exc: Exception, consequence: str
+    ) -> None:
+        """Log a refused change once: one line with its reason, the traceback at DEBUG."""
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        log.error("hot reload: %s %s: %s", path, consequence, reason)
+        log.debug("hot reload: why %s was refused", path, exc_info=exc)
         self._failed[path] = snapshot
         self.refused += 1
         self._count(path.parent.name, "refused")
