@@ -138,7 +138,7 @@ def test_the_stream_client_reconnects_when_the_server_goes_away(models, resend):
 
 def test_a_draining_stream_stops_reading_and_answers_what_it_holds(models):
     hang = threading.Event()
-    factory, _ = fake_factory(hang=hang)
+    factory, made = fake_factory()
     server = LiveServer(
         engine_factory=factory,
         models_dir=models,
@@ -150,6 +150,7 @@ def test_a_draining_stream_stops_reading_and_answers_what_it_holds(models):
     marker = request(99)
     marker.model = "no-such-model"
     with server:
+        made["seq-mini"].hang = hang  # from now on: the load's probe of the output layout ran
         channel = grpc.insecure_channel(server.target)
         sent: queue.Queue = queue.Queue()
         call = pb_grpc.RiskScoringStub(channel).ScoreStream(iter(sent.get, None), timeout=60)

@@ -176,7 +176,7 @@ def test_a_message_deadline_is_its_own(seq_models):
 
 def test_messages_beyond_the_in_flight_bound_get_resource_exhausted(seq_models):
     hang = threading.Event()
-    factory, _ = fake_factory(hang=hang)
+    factory, made = fake_factory()
     server = LiveServer(
         engine_factory=factory,
         models_dir=seq_models,
@@ -202,6 +202,7 @@ def test_messages_beyond_the_in_flight_bound_get_resource_exhausted(seq_models):
             return refused, await call.code()
 
     with server:
+        made["seq-mini"].hang = hang  # from now on: the load's probe of the output layout ran
         try:
             refused, code = asyncio.run(run(server.target))
         finally:
