@@ -242,7 +242,7 @@ class Manifest(_Frozen):
         default_factory=dict, description="Precision -> ONNX file name, besides fp32 model.onnx."
     )
     calibration: str | None = Field(None, description="npz file of representative inputs.")
-    tolerance: Tolerance = Field(default_factory=Tolerance)
+    tolerance: Tolerance = Tolerance.model_validate({})
     explanations: Explanations | None = Field(
         None, description="Baselines and reason codes; without them requests get no reasons."
     )
