@@ -9,6 +9,8 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -28,6 +30,38 @@ CLIENTS = 6
 
 def request(i: int) -> pb.ScoreRequest:
     return pb.ScoreRequest(request_id=str(i), features={f"f{j}": 0.2 * j for j in range(5)})
+
+
+@contextmanager
+def scoring_traffic(
+    stub: pb_grpc.RiskScoringStub, message: pb.ScoreRequest
+) -> Iterator[tuple[list[pb.ScoreResponse], list[grpc.StatusCode]]]:
+    """CLIENTS threads scoring `message` in a loop until the block ends; yields the replies
+    and the failures' codes, appended as they come."""
+    stop = threading.Event()
+    replies: list[pb.ScoreResponse] = []
+    failures: list[grpc.StatusCode] = []
+    lock = threading.Lock()
+
+    def client() -> None:
+        while not stop.is_set():
+            try:
+                reply = stub.Score(message, timeout=5)
+                with lock:
+                    replies.append(reply)
+            except grpc.RpcError as exc:
+                with lock:
+                    failures.append(exc.code())
+
+    threads = [threading.Thread(target=client) for _ in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    try:
+        yield replies, failures
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
 
 
 def test_new_version_replaces_the_old_under_load(tmp_path):
@@ -147,38 +181,16 @@ def test_version_replaced_in_place_is_served_after_one_scan_under_load(tmp_path)
         onnx_variants=False,
         tensorrt=False,
     )
-    stop = threading.Event()
-    replies: list[pb.ScoreResponse] = []
-    failures: list[grpc.StatusCode] = []
-    lock = threading.Lock()
-
-    def client(stub: pb_grpc.RiskScoringStub) -> None:
-        while not stop.is_set():
-            try:
-                reply = stub.Score(request(0), timeout=5)
-                with lock:
-                    replies.append(reply)
-            except grpc.RpcError as exc:
-                with lock:
-                    failures.append(exc.code())
-
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         watcher = server.server.watcher
         assert watcher is not None
-        threads = [threading.Thread(target=client, args=(stub,)) for _ in range(CLIENTS)]
-        for t in threads:
-            t.start()
-        try:
+        with scoring_traffic(stub, request(0)) as (replies, failures):
             wait_until(lambda: len(replies) > 50)
             replace_files(fixed, served_dir)
             assert server.call(watcher.scan(settle=True)) == ["credit-lite/1"]  # the first scan
             seen = len(replies)
             wait_until(lambda: len(replies) > seen + 50)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=10)
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=5)
 
     assert failures == []
@@ -263,20 +275,6 @@ def test_model_replaced_in_place_never_answers_from_its_old_variants(tmp_path, c
         onnx_variants=True,
         tensorrt=False,
     )
-    stop = threading.Event()
-    replies: list[pb.ScoreResponse] = []
-    failures: list[grpc.StatusCode] = []
-    lock = threading.Lock()
-
-    def client(stub: pb_grpc.RiskScoringStub) -> None:
-        while not stop.is_set():
-            try:
-                reply = stub.Score(request(0), timeout=5)
-                with lock:
-                    replies.append(reply)
-            except grpc.RpcError as exc:
-                with lock:
-                    failures.append(exc.code())
 
     def refusals() -> list[str]:
         return [
@@ -290,10 +288,7 @@ def test_model_replaced_in_place_never_answers_from_its_old_variants(tmp_path, c
         watcher = server.server.watcher
         assert watcher is not None
         assert engine_names(stub) == {FP32_ENGINE, f"{FP32_ENGINE}-fp16", f"{FP32_ENGINE}-int8"}
-        threads = [threading.Thread(target=client, args=(stub,)) for _ in range(CLIENTS)]
-        for t in threads:
-            t.start()
-        try:
+        with scoring_traffic(stub, request(0)) as (replies, failures):
             wait_until(lambda: len(replies) > 50)
             # The new weights land in one step, as a deploy script's rename would.
             shutil.copyfile(staged / "model.onnx", tmp_path / "model.onnx")
@@ -301,10 +296,6 @@ def test_model_replaced_in_place_never_answers_from_its_old_variants(tmp_path, c
             wait_until(lambda: watcher.reloads == 1)  # swapped in, the old instance drained
             seen = len(replies)
             wait_until(lambda: len(replies) > seen + 50)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=10)
         after_reload = engine_names(stub)
         warnings = refusals()
 
