@@ -18,6 +18,7 @@ from grpc_reflection.v1alpha import reflection
 
 from engines.base import Engine
 from engines.manifest import Manifest
+from engines.output import ScoreOutput
 from engines.watchdog import Watchdog
 from inference import grpc_service_pb2 as oip
 from riskscoring.v1 import risk_scoring_pb2 as pb
@@ -128,8 +129,8 @@ def _with_watchdog(factory: EngineFactory, timeout_s: float) -> EngineFactory:
     ONNX Runtime on the CPU, run as they are (the watchdog's thread hop costs two context
     switches a batch, a fifth of a small batch's engine time)."""
 
-    def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
-        engines, fallback = factory(path, manifest)
+    def build(path: Path, manifest: Manifest, score: ScoreOutput) -> tuple[list[Engine], Engine]:
+        engines, fallback = factory(path, manifest, score)
         return [
             Watchdog(e, timeout_s) if e is not fallback and e.can_hang else e for e in engines
         ], fallback

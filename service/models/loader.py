@@ -48,7 +48,9 @@ __all__ = ["EngineFactory", "VersionLoader", "batch_cap", "default_engines", "se
 log = logging.getLogger(__name__)
 
 
-EngineFactory = Callable[[Path, Manifest], tuple[list[Engine], Engine]]
+EngineFactory = Callable[[Path, Manifest, ScoreOutput], tuple[list[Engine], Engine]]
+"""Builds a version's engines (and its fallback) from its folder, its manifest and where the
+score is among the outputs (`ScoreOutput`, resolved by the loader once)."""
 
 
 def default_engines(
@@ -60,10 +62,8 @@ def default_engines(
     variants that `accepted_variants` passes (the manifest's tolerance) are ever loaded.
     """
 
-    def build(path: Path, manifest: Manifest) -> tuple[list[Engine], Engine]:
+    def build(path: Path, manifest: Manifest, score: ScoreOutput) -> tuple[list[Engine], Engine]:
         accepted = accepted_variants(path, manifest=manifest)
-        model = onnx.load(str(path / "model.onnx"), load_external_data=False)
-        score = resolve_score_output(model, manifest)
         fallback = OnnxRuntimeEngine.from_model_dir(
             path,
             manifest,
@@ -72,8 +72,12 @@ def default_engines(
             score=score,
         )
         engines: list[Engine] = []
-        ml_operators = onnx_ml_operators(model)
-        if tensorrt and ml_operators:
+        ml_operators = (
+            onnx_ml_operators(onnx.load(str(path / "model.onnx"), load_external_data=False))
+            if tensorrt
+            else ()
+        )
+        if ml_operators:
             log.info(
                 "%s/%s: ONNX Runtime serves it: TensorRT has no layers for %s (%s)",
                 manifest.name,
@@ -156,7 +160,7 @@ class VersionLoader:
             score = resolve_score_output(path / "model.onnx", manifest)
         except OutputLayoutError as exc:
             raise Unavailable(f"{path}: {exc}") from exc
-        engines, fallback = self._engine_factory(path, manifest)
+        engines, fallback = self._engine_factory(path, manifest, score)
         for engine in {id(e): e for e in (*engines, fallback)}.values():
             _check_output(path, manifest, score, engine)
             if manifest.history is not None and manifest.history.broadcast:

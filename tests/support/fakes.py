@@ -11,6 +11,7 @@ import numpy as np
 
 from engines.base import DimRange, Engine, EngineFailure, Profile, TensorSpec
 from engines.manifest import Manifest
+from engines.output import ScoreOutput
 
 
 def expected_score(features: np.ndarray) -> np.ndarray:
@@ -96,7 +97,7 @@ def fake_factory(**options) -> tuple:
     """An engine factory serving every model with one FakeEngine; returns (factory, engines)."""
     made: dict[str, FakeEngine] = {}
 
-    def build(path: Path, manifest: Manifest):
+    def build(path: Path, manifest: Manifest, score: ScoreOutput):
         engine = FakeEngine(manifest, **options)
         made[manifest.name] = engine
         return [], engine
@@ -111,7 +112,7 @@ def primary_and_fallback(**primary_options) -> tuple:
     """
     made: dict[str, tuple[FakeEngine, FakeEngine]] = {}
 
-    def build(path: Path, manifest: Manifest):
+    def build(path: Path, manifest: Manifest, score: ScoreOutput):
         primary = FakeEngine(manifest, name="primary", **primary_options)
         fallback = FakeEngine(manifest, name="fallback")
         made[manifest.name] = (primary, fallback)
