@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from engines.manifest import Thresholds
 from riskreport import stats
-from riskreport.dataset import open_records, sql_text
+from riskreport.dataset import open_records, spooled_rows, sql_text
 from riskreport.labels import load_labels
 from riskreport.stats import Interval, OrderedBatch, SortedPass
 from service.explanations.reasons import TopReasonComparison
@@ -50,7 +50,8 @@ BATCH_ROWS = 1_000_000
 BOOTSTRAP_BATCH_CELLS = 4_000_000
 
 Progress = Callable[[str, int | None], None]
-"""``progress(stage, rows)``: called as each stage of a report starts or finishes."""
+"""``progress(stage, count)``: called as each stage of a report starts or finishes; the stage
+names what `count` counts (records, labels, entities or requests, paired requests)."""
 
 Unit = Literal["entity", "request"]
 _PLURAL: dict[str, str] = {"entity": "entities", "request": "requests"}
@@ -122,6 +123,15 @@ class Comparison:
     top_reason: TopReasonComparison | None = None
     """Over the paired requests where both arms gave reason codes: how many there are, and in
     how many the arms' top codes differ. None when no record of the log has reason codes."""
+    shadowed: int = 0
+    """Champion requests logged in shadow mode: the challenger's coverage is `pairs` of them.
+    The rest have no answer of its: outside its shadow share, sampled out while the shadow
+    worker was behind, or dropped."""
+
+    @property
+    def coverage(self) -> float | None:
+        """Share of the champion's shadow-mode requests the challenger answered; None in A/B."""
+        return self.pairs / self.shadowed if self.shadowed else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +157,8 @@ class Report:
     psi_bins: int
     arms: tuple[ArmSummary, ...]
     comparisons: tuple[Comparison, ...]
+    spooled_records: int = 0
+    """Records read from open log files a running writer has not yet rolled into Parquet."""
 
     def to_dict(self) -> dict[str, Any]:
         return _finite(asdict(self))
@@ -279,7 +291,7 @@ def _report(
             champion_scores = scores
         else:  # the champion changed inside the window: one baseline of all its versions
             champion_scores = np.sort(np.concatenate([champion_scores, scores]), kind="stable")
-        say(f"arm {arm} {version} done", summary.records)
+        say(f"arm {arm} {version} done, records", summary.records)
     comparisons = []
     champion_parts = [p for (arm, _), p in parts.items() if arm == "champion"]
     if champion_scores is not None:
@@ -299,7 +311,7 @@ def _report(
             if with_reasons:
                 comparison = replace(comparison, top_reason=_top_reasons(con, version))
             comparisons.append(comparison)
-            say(f"challenger {version} compared", comparison.pairs)
+            say(f"challenger {version} compared, paired requests", comparison.pairs)
     return Report(
         experiment=experiment_name,
         model=model,
@@ -321,6 +333,7 @@ def _report(
         psi_bins=stats.PSI_BINS,
         arms=tuple(summaries),
         comparisons=tuple(comparisons),
+        spooled_records=spooled_rows(con),
     )
 
 
@@ -550,6 +563,9 @@ def _compare(
         f"WHERE {_where('challenger', version)}) h "
         f"ON hash(c.request_id) = hash(h.request_id) {labels_join} {units_join}"
     )
+    shadowed = _scalar(
+        con, "SELECT count(*) FROM records WHERE arm = 'champion' AND mode = 'shadow'"
+    )
     row = con.execute(
         "SELECT count(*), avg(abs(a - b)), max(abs(a - b)), avg(a), avg(b) FROM pairs"
     ).fetchall()[0]
@@ -590,6 +606,7 @@ def _compare(
         auc_difference=delta,
         auc_difference_method=method if delta is not None else None,
         verdict=_verdict(delta),
+        shadowed=shadowed,
     )
 
 
@@ -676,11 +693,11 @@ def _verdict(delta: Interval | None) -> str:
 
 
 def elapsed_printer(stream: Any) -> Progress:
-    """A `Progress` that prints the seconds since it was made, the stage and the rows."""
+    """A `Progress` that prints the seconds since it was made, the stage and its count."""
     started = time.monotonic()
 
-    def show(stage: str, rows: int | None) -> None:
-        count = "" if rows is None else f": {rows:,} rows"
-        print(f"[{time.monotonic() - started:7.1f} s] {stage}{count}", file=stream, flush=True)
+    def show(stage: str, count: int | None) -> None:
+        counted = "" if count is None else f": {count:,}"
+        print(f"[{time.monotonic() - started:7.1f} s] {stage}{counted}", file=stream, flush=True)
 
     return show

@@ -4,6 +4,12 @@ A local prefix is read by DuckDB's own Parquet reader (every ``*.parquet`` below
 Hive layout or the older per-replica one); an object store prefix through a pyarrow dataset
 over the same filesystem the log writes with. Either way only the columns a query names are
 read, and the time window is pushed down to the files' row-group statistics.
+
+A local prefix's open files are read too: the complete batches a running server (or its shadow
+worker) has appended to its spools and not yet rolled into Parquet, so a report made while the
+server runs sees what it accepted up to a flush interval ago. The Parquet files are listed
+first; a spool whose Parquet file is among them (published, not yet removed) is skipped, so no
+record is read twice.
 """
 
 from __future__ import annotations
@@ -12,14 +18,16 @@ from datetime import datetime
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 
 from service.shadow.errors import NoRecords
+from service.shadow.log import SPOOL_SUFFIX, read_spool
 from service.shadow.record import RECORD_SCHEMA
 from service.shadow.storage import AmbiguousExperiment, resolve_prefix
 
-__all__ = ["AmbiguousExperiment", "open_records", "sql_text"]
+__all__ = ["AmbiguousExperiment", "open_records", "spooled_rows", "sql_text"]
 
 
 def sql_text(text: str) -> str:
@@ -43,15 +51,23 @@ def open_records(
     """
     fs, root = resolve_prefix(prefix, filesystem)
     if isinstance(fs, pafs.LocalFileSystem):
-        if not Path(root).is_dir() or next(Path(root).rglob("*.parquet"), None) is None:
+        names = sorted(str(p) for p in Path(root).rglob("*.parquet")) if Path(root).is_dir() else []
+        spooled = _spooled(Path(root), set(names))
+        if not names and spooled is None:
             raise NoRecords(f"nothing under {prefix}")
-        # By name: files written before a column was added lack it (read as null).
-        files = f"read_parquet({sql_text(root + '/**/*.parquet')}, hive_partitioning = false, " \
-            "union_by_name = true)"  # fmt: skip
-        columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {files}").fetchall()}
-        # A log older than reason codes: none of its records has any.
-        codes = "" if "reason_codes" in columns else ", NULL::VARCHAR[] AS reason_codes"
-        con.execute(f"CREATE OR REPLACE TEMP VIEW source AS SELECT *{codes} FROM {files}")
+        sources = []
+        if names:
+            # By name: files written before a column was added lack it (read as null).
+            listed = "[" + ", ".join(sql_text(n) for n in names) + "]"
+            files = f"read_parquet({listed}, hive_partitioning = false, union_by_name = true)"
+            columns = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {files}").fetchall()}
+            # A log older than reason codes: none of its records has any.
+            codes = "" if "reason_codes" in columns else ", NULL::VARCHAR[] AS reason_codes"
+            sources.append(f"SELECT *{codes} FROM {files}")
+        if spooled is not None:
+            con.register("spooled_records", spooled)
+            sources.append("SELECT * FROM spooled_records")
+        con.execute(f"CREATE OR REPLACE TEMP VIEW source AS {' UNION ALL BY NAME '.join(sources)}")
     else:
         try:
             dataset = pads.dataset(root, schema=RECORD_SCHEMA, format="parquet", filesystem=fs)
@@ -80,6 +96,31 @@ def open_records(
         f"WHERE {where} AND experiment = {sql_text(names[0])}"
     )
     return "records"
+
+
+def spooled_rows(con: duckdb.DuckDBPyConnection) -> int:
+    """Records `open_records` read from open files not yet rolled (0 when it read none)."""
+    try:
+        return int(con.execute("SELECT count(*) FROM spooled_records").fetchall()[0][0])
+    except duckdb.CatalogException:
+        return 0
+
+
+def _spooled(root: Path, published: set[str]) -> pa.Table | None:
+    """The complete batches of the open files under a local prefix, or None when there are
+    none; a spool whose Parquet file is in `published` is already read from there."""
+    spool_dir = root / "_spool"
+    if not spool_dir.is_dir():
+        return None
+    tables = []
+    for path in sorted(spool_dir.rglob(f"*{SPOOL_SUFFIX}")):
+        relative = path.relative_to(spool_dir).as_posix()[: -len(SPOOL_SUFFIX)]
+        if str(root / relative) in published:
+            continue
+        table = read_spool(path)  # a spool rolled meanwhile reads as empty
+        if table.num_rows:
+            tables.append(table)
+    return pa.concat_tables(tables) if tables else None
 
 
 def _timestamp(moment: datetime) -> str:

@@ -44,6 +44,11 @@ def render_html(report: Report) -> str:
                 ["figure", "value"],
                 [
                     ["paired requests", comparison.pairs],
+                    ["champion requests in shadow mode", comparison.shadowed],
+                    [
+                        "coverage (paired / champion in shadow mode)",
+                        "n/a" if comparison.coverage is None else comparison.coverage,
+                    ],
                     ["decision agreement", comparison.decision_agreement],
                     ["decision flips", comparison.decision_flips],
                     ["Pearson", comparison.pearson],

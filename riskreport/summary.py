@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from riskreport.build import Report
+from riskreport.build import Comparison, Report
 from riskreport.stats import Interval
 from service.explanations.reasons import TopReasonComparison
 
@@ -45,6 +45,16 @@ def _top_reason(figure: TopReasonComparison) -> str:
     return f"{share} of {figure.pairs:,} requests where both arms gave reasons"
 
 
+def _coverage(c: Comparison) -> list[str]:
+    if c.coverage is None:
+        return []
+    return [
+        f"  coverage {100 * c.coverage:.2f}%: {c.pairs:,} of {c.shadowed:,} champion requests "
+        f"in shadow mode have its answer, {c.shadowed - c.pairs:,} have none (outside its "
+        "share, sampled out while the shadow worker was behind, or dropped)"
+    ]
+
+
 def render_summary(report: Report) -> str:
     """Per arm: records, labelled, AUC with interval; per challenger: the comparison."""
     method = (
@@ -54,7 +64,12 @@ def render_summary(report: Report) -> str:
     )
     lines = [
         f"experiment {report.experiment} (model {report.model}, {', '.join(report.modes)}): "
-        f"{report.records:,} records from {len(report.replicas)} replica(s)",
+        f"{report.records:,} records from {len(report.replicas)} replica(s)"
+        + (
+            f", {report.spooled_records:,} of them from open log files not yet rolled"
+            if report.spooled_records
+            else ""
+        ),
         f"records from {report.first_record} to {report.last_record}",
         f"95% intervals: {method}, resampling unit: {report.interval_unit}",
         "",
@@ -76,6 +91,7 @@ def render_summary(report: Report) -> str:
         lines += [
             "",
             f"challenger {c.challenger_version} vs champion: {c.pairs:,} paired requests",
+            *_coverage(c),
             f"  AUC difference (challenger - champion): {_interval(c.auc_difference, True)}"
             + (f" ({c.auc_difference_method})" if c.auc_difference_method else ""),
             f"  PSI {_number(c.psi)}   KS {_number(c.ks_statistic)} (p {c.ks_pvalue:.3g})",

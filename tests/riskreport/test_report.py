@@ -19,7 +19,13 @@ from scipy import stats
 from shadow_traffic import THRESHOLDS, Traffic, log_shadow_traffic, make_traffic, record
 from sklearn.metrics import confusion_matrix, precision_score, recall_score, roc_auc_score
 
-from riskreport import AmbiguousExperiment, build_report, render_html, shadow_report_main
+from riskreport import (
+    AmbiguousExperiment,
+    build_report,
+    render_html,
+    render_summary,
+    shadow_report_main,
+)
 from service.shadow import ExperimentLog, NoRecords
 
 N = 1500
@@ -126,6 +132,24 @@ def test_same_scores_give_no_significant_difference(tmp_path: Path) -> None:
     assert report.thresholds is None  # logged decisions were used
 
 
+def test_the_report_shows_each_challengers_coverage(tmp_path: Path) -> None:
+    t = make_traffic(400, seed=5)
+    log = ExperimentLog(str(tmp_path / "logs"), replica_id="x", flush_interval_s=60)
+    for i in range(400):
+        log.log(record(t, i, "champion"))
+        if i % 4:  # a quarter of the champion's requests have no challenger answer
+            log.log(record(t, i, "challenger"))
+    log.close()
+    report = build_report(str(tmp_path / "logs"))
+    (c,) = report.comparisons
+    assert (c.pairs, c.shadowed, c.coverage) == (300, 400, 0.75)
+    assert report.to_dict()["comparisons"][0]["shadowed"] == 400
+    text = render_summary(report)
+    assert "coverage 75.00%: 300 of 400 champion requests in shadow mode have its answer, " \
+        "100 have none" in text  # fmt: skip
+    assert "champion requests in shadow mode" in render_html(report)
+
+
 def test_time_window_and_errors(tmp_path: Path) -> None:
     t = make_traffic(20)
     base = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp() * 1e9)
@@ -174,8 +198,8 @@ def test_json_html_and_cli(
     assert f"KS {comparison['ks_statistic']:.4f}" in terminal.out
     assert f"flips {comparison['decision_flips']:,}" in terminal.out
     assert "verdict: challenger better at 95%" in terminal.out
-    assert "records read: 3,000 rows" in terminal.err  # progress, with the rows read
-    assert "entities numbered" in terminal.err and "entitys" not in terminal.err
+    assert "records read: 3,000\n" in terminal.err  # progress, with what each stage counted
+    assert re.search(r"entities numbered: [\d,]+\n", terminal.err) and "rows" not in terminal.err
     assert data["first_record"] <= data["last_record"]
     assert data["records"] == 2 * N and data["thresholds"] == {"review": 0.5, "decline": 0.8}
     assert data["comparisons"][0]["verdict"] == "challenger better at 95%"
