@@ -76,9 +76,20 @@ class ExperimentConfig(_Frozen):
     def from_json_file(cls, path: Path) -> ExperimentConfig:
         """Read a config written as JSON (``{"models": {"fraud-demo": {...}}}``)."""
         try:
-            return cls.model_validate(json.loads(path.read_text()))
-        except (OSError, ValueError, ValidationError) as exc:
-            raise ExperimentConfigError(f"cannot read experiment config {path.name}") from exc
+            text = path.read_text()
+        except OSError as exc:
+            reason = exc.strerror or type(exc).__name__
+            raise ExperimentConfigError(f"experiments file {path}: {reason}") from exc
+        try:
+            return cls.model_validate(json.loads(text))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(part) for part in error['loc']) or 'the file'}: {error['msg']}"
+                for error in exc.errors()
+            )
+            raise ExperimentConfigError(f"experiments file {path}: {problems}") from None
+        except ValueError as exc:  # not JSON: the decoder names the line and column
+            raise ExperimentConfigError(f"experiments file {path}: not JSON: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)

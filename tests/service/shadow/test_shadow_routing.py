@@ -109,6 +109,40 @@ def test_config_validation_and_file(tmp_path: Path) -> None:
         ExperimentConfig.from_json_file(path)
 
 
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('{"fraud-demo": {"champion": "1"}}', "fraud-demo: Extra inputs are not permitted"),
+        (
+            '{"models": {"fraud-demo": {"champion": "1", "mode": "canary"}}}',
+            "models.fraud-demo.mode: Input should be 'shadow' or 'ab'",
+        ),
+        (
+            '{"models": {"fraud-demo": {"champion": "1", "challengers": ["2"], "share": 0.5}}}',
+            "models.fraud-demo.share: Extra inputs are not permitted",
+        ),
+        (
+            '{"models": {"fraud-demo": {"champion": "1", "challengers": ["1"]}}}',
+            "models.fraud-demo: Value error, the champion version cannot also be a challenger",
+        ),
+        ('{"models": {', "not JSON: Expecting property name enclosed in double quotes: line 1"),
+    ],
+)
+def test_a_malformed_experiments_file_is_refused_in_one_line_naming_the_field(
+    tmp_path: Path, text: str, reason: str
+) -> None:
+    path = tmp_path / "experiments.json"
+    path.write_text(text)
+    with pytest.raises(ExperimentConfigError) as refused:
+        ExperimentConfig.from_json_file(path)
+    message = str(refused.value)
+    assert message.startswith(f"experiments file {path}: {reason}")
+    assert "\n" not in message
+    path.unlink()
+    with pytest.raises(ExperimentConfigError, match="No such file or directory"):
+        ExperimentConfig.from_json_file(path)
+
+
 def test_a_request_without_an_entity_is_never_drawn_into_a_challenger_share() -> None:
     router = ExperimentRouter(ab_config(1.0))  # every entity goes to the challenger
     assert router.route("fraud-demo", "e1").serving_version == "2"
