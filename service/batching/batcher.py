@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from service.batching.rows import RowBatch
+from service.batching.rows import MAX_PADDING, RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
@@ -210,10 +210,6 @@ def _parts(jobs: list[_Job]) -> list[RowBatch]:
     return [part for job in jobs for part in job.parts]
 
 
-# A batch's padded history cells may be at most this multiple of its rows' own cells: padding a
-# short history to a long one costs the engine the long one's work (the attention over the
-# history grows faster than linearly), more than the fixed cost a shared call saves.
-_MAX_PADDING = 1.5
 # Jobs passed over for padding in one take, so a long queue is never scanned whole.
 _MAX_DEFERRED = 16
 # Batches expected to run at most this long run on the event loop (see the module's notes). The
@@ -463,7 +459,7 @@ class MicroBatcher:
             new_cells = cells + job_rows * max(job_length, 1)
             if taken and new_rows > self.max_batch_rows:
                 break
-            if taken and new_rows * max(new_length, 1) > _MAX_PADDING * new_cells:
+            if taken and new_rows * max(new_length, 1) > MAX_PADDING * new_cells:
                 if len(deferred) >= _MAX_DEFERRED:
                     break
                 deferred.append(self._pop())

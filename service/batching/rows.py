@@ -15,7 +15,12 @@ import numpy as np
 
 from engines.manifest import HistorySpec, Manifest
 
-__all__ = ["RowBatch"]
+__all__ = ["MAX_PADDING", "RowBatch", "length_groups"]
+
+# A batch's padded history cells may be at most this multiple of its rows' own cells: padding a
+# short history to a long one costs the engine the long one's work (the attention over the
+# history grows faster than linearly), more than the fixed cost a shared call saves.
+MAX_PADDING = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +99,34 @@ class RowBatch:
             start = end
         return cls(features, history, mask)
 
+    def history_lengths(self) -> np.ndarray:
+        """Each row's own history length: up to its last real history row. A row with no real
+        one (a history emptied for an explanation) keeps the padded length it has here, so it
+        is never scored against a shorter padding than it was given."""
+        if self.history is None:
+            return np.zeros(self.rows, dtype=np.intp)
+        width = self.history_length
+        if self.mask is None:
+            return np.full(self.rows, width, dtype=np.intp)
+        real = self.mask > 0
+        if self.shares_history:
+            real = np.broadcast_to(real, (self.rows, width))
+        last = width - np.argmax(real[:, ::-1], axis=1)
+        return np.where(real.any(axis=1), last, width).astype(np.intp)
+
+    def take(self, index: np.ndarray, length: int) -> RowBatch:
+        """The rows at `index`, their histories cut (or padded) to `length` rows."""
+        if self.history is None or self.mask is None:
+            return RowBatch(self.features[index], None, None)
+        width = self.history_length
+        rows = np.zeros_like(index) if self.shares_history else index
+        history, mask = self.history[rows, :length], self.mask[rows, :length]
+        if length > width:
+            pad = length - width
+            history = np.pad(history, ((0, 0), (0, pad), (0, 0)))
+            mask = np.pad(mask, ((0, 0), (0, pad)))
+        return RowBatch(self.features[index], history, mask)
+
     def feed(self, manifest: Manifest) -> dict[str, np.ndarray]:
         """The engine inputs, named as the model's ONNX inputs."""
         inputs = {manifest.features_input: self.features}
@@ -102,3 +135,33 @@ class RowBatch:
             inputs[spec.input] = self.history
             inputs[spec.mask_input] = self.mask
         return inputs
+
+
+def length_groups(
+    lengths: np.ndarray,
+    max_rows: int,
+    max_padding: float = MAX_PADDING,
+    max_cells: int | None = None,
+) -> list[np.ndarray]:
+    """Row positions grouped for one engine call each, as the batcher groups requests: by
+    ascending history length, at most `max_rows` a group, its cells padded to its longest row
+    at most `max_padding` times the rows' own cells, and (with `max_cells`) at most that many
+    padded cells unless it is one row."""
+    order = np.argsort(lengths, kind="stable")
+    groups: list[np.ndarray] = []
+    start = own = 0
+    for k, position in enumerate(order.tolist()):
+        length = max(int(lengths[position]), 1)
+        rows = k - start + 1
+        padded = rows * length
+        if rows > 1 and (
+            rows > max_rows
+            or padded > max_padding * (own + length)
+            or (max_cells is not None and padded > max_cells)
+        ):
+            groups.append(order[start:k])
+            start, own = k, 0
+        own += length
+    if len(order):
+        groups.append(order[start:])
+    return groups

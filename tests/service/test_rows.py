@@ -6,7 +6,7 @@ import numpy as np
 from liveserver import REPO
 
 from engines.manifest import HistorySpec, load_manifest
-from service.batching.rows import RowBatch
+from service.batching.rows import MAX_PADDING, RowBatch, length_groups
 
 SPEC = HistorySpec(fields=("a", "b"), max_length=8, min_padded_length=3)
 
@@ -72,3 +72,38 @@ def test_rows_against_one_history_count_it_once_and_repeat_it_when_merged():
     assert merged.rows == 4 and merged.history.shape == (4, 5, 2)
     assert (merged.history[1:] == 7.0).all() and merged.mask[1:].sum() == 3 * 5
     assert merged.features[1:].tolist() == shared.features.tolist()
+
+
+def test_history_lengths_end_at_each_rows_last_real_history_row():
+    merged = RowBatch.concat([_row(5, 1.0), _row(1, 2.0), _row(4, 3.0)])
+    assert merged.history_lengths().tolist() == [5, 1, 4]
+    # A row with no real history row (emptied for an explanation) keeps its padded length.
+    emptied = RowBatch(merged.features, merged.history, merged.mask * np.array([[1], [0], [1]]))
+    assert emptied.history_lengths().tolist() == [5, 5, 4]
+    assert RowBatch(merged.features, None, None).history_lengths().tolist() == [0, 0, 0]
+
+
+def test_take_cuts_the_histories_to_the_rows_taken():
+    merged = RowBatch.concat([_row(5, 1.0), _row(1, 2.0), _row(4, 3.0)])
+    short = merged.take(np.array([1, 2]), 4)
+    assert short.history.shape == (2, 4, 2) and short.mask.sum(axis=1).tolist() == [1.0, 4.0]
+    assert short.features[:, 0].tolist() == [2.0, 3.0]
+    wider = merged.take(np.array([1]), 7)  # padded, never cut below a row's own length
+    assert wider.history.shape == (1, 7, 2) and wider.mask.tolist() == [[1.0] + [0.0] * 6]
+
+
+def test_length_groups_bound_padding_and_rows_as_the_batcher_does():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(4, 65, size=200), rng.integers(65, 201, size=20)])
+    groups = length_groups(lengths, max_rows=64)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(220))  # each row once
+    for group in groups:
+        own = lengths[group]
+        assert len(group) <= 64
+        if len(group) > 1:
+            assert len(group) * own.max() <= MAX_PADDING * own.sum()
+    # A long history does not make the short ones wait for its length: far fewer cells are
+    # computed than padding every row to the longest.
+    padded = sum(len(g) * lengths[g].max() for g in groups)
+    assert padded <= MAX_PADDING * lengths.sum() < 0.5 * len(lengths) * lengths.max()
+    assert length_groups(np.zeros(0, dtype=np.intp), 8) == []
