@@ -177,6 +177,14 @@ class Settings(BaseSettings):
         description="An experiment log file is closed and published at this age: the delay "
         "before a report sees a record.",
     )
+    shadow_min_sampled_share: float = Field(
+        1 / 64,
+        gt=0,
+        le=1,
+        description="Least share of entities the shadow worker samples down to while it is "
+        "behind or the machine has no CPU to spare for it; 1 = never sample (copies beyond "
+        "shadow_max_queued_jobs are dropped and counted instead).",
+    )
     shadow_pass_interval_s: float = Field(
         0.1, ge=0, description="The shadow worker scores what has arrived at most this often."
     )

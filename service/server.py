@@ -73,6 +73,13 @@ class RiskServer:
     certificates: CertificateFiles | None = None
     streams: MessageStreams | None = None
 
+    def roll_experiment_logs(self) -> None:
+        """SIGUSR1: publish the experiment log files now, so a report sees every record."""
+        if self.experiments is None:
+            log.info("SIGUSR1: no experiment runs, so there is no log file to roll")
+        else:
+            self.experiments.roll()
+
     async def stop(self) -> None:
         """Refuse new work, let queued and in-flight requests finish, then stop."""
         grace_s = self.settings.shutdown_grace_s
@@ -186,6 +193,7 @@ async def build_server(
             max_file_bytes=settings.shadow_max_file_bytes,
             max_file_age_s=settings.shadow_max_file_age_s,
             pass_interval_s=settings.shadow_pass_interval_s,
+            min_sampled_share=settings.shadow_min_sampled_share,
             shadow_cpus=settings.shadow_cpu_set,
             telemetry=telemetry,
         )
@@ -298,6 +306,7 @@ def serve_processes(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGHUP, forward)
+    signal.signal(signal.SIGUSR1, forward)
     for child in children:
         child.join()
     return max((child.exitcode or 0) for child in children)
@@ -320,6 +329,7 @@ async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
         loop.add_signal_handler(sig, stop.set)
     if running.watcher is not None:
         loop.add_signal_handler(signal.SIGHUP, running.watcher.trigger)
+    loop.add_signal_handler(signal.SIGUSR1, running.roll_experiment_logs)
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -32,6 +32,7 @@ from service.shadow import (
     ShadowRunner,
 )
 from service.shadow.log import DEFAULT_MAX_FILE_AGE_S, DEFAULT_MAX_FILE_BYTES
+from service.shadow.runner import MIN_SAMPLED_SHARE, sampled
 from service.telemetry import Telemetry
 
 __all__ = ["Experiments"]
@@ -53,6 +54,7 @@ class Experiments:
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         max_file_age_s: float = DEFAULT_MAX_FILE_AGE_S,
         pass_interval_s: float = 0.1,
+        min_sampled_share: float = MIN_SAMPLED_SHARE,
         shadow_cpus: Collection[int] = (),
         telemetry: Telemetry | None = None,
     ) -> None:
@@ -78,9 +80,12 @@ class Experiments:
             log_rolling=rolling,
             max_queued_jobs=max_queued_jobs,
             pass_interval_s=pass_interval_s,
+            min_sampled_share=min_sampled_share,
             cpus=shadow_cpus,
         )
         registry.on_reload(self.runner.forget)  # the worker must score the new files too
+        if self._metrics is not None:
+            self._metrics.set_shadow_share_callback(lambda: self.runner.sampled_share)
         self._watcher: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -96,7 +101,15 @@ class Experiments:
                 await self._watcher
         await self.runner.close(timeout_s)
         self._publish_drops()
+        self.runner.log_drops(now_or_never=True)
         await asyncio.to_thread(self.log.close, timeout_s)
+
+    def roll(self) -> None:
+        """Publish the open log files of the server and its shadow worker now (SIGUSR1), so a
+        report sees every record accepted so far; never waits."""
+        log.info("rolling the experiment log files")
+        self.log.roll()
+        self.runner.roll()
 
     def route(self, model: str, entity_id: str) -> Route:
         return self.router.route(model, entity_id)
@@ -164,9 +177,17 @@ class Experiments:
         explained: Explained | None,
     ) -> None:
         assert route.experiment is not None
-        if self.runner.full:
-            self.runner.drop(model.name)  # all a full shadow queue costs the champion
+        reason = self.runner.full_reason
+        if reason:
+            self.runner.drop(model.name, reason=reason)  # all a full queue costs the champion
             return
+        share = self.runner.sampled_share
+        if share < 1.0:  # the worker fell behind: a deterministic share of the entities
+            positions = [
+                i for i in positions if sampled(share, model.name, entity_ids[i], request_ids[i])
+            ]
+            if not positions:
+                return
         whole = len(positions) == len(request_ids)
         inputs = rows.feed(model.manifest)
         scores = np.asarray(scored.scores)
@@ -214,6 +235,8 @@ class Experiments:
         while True:
             await asyncio.sleep(interval_s)
             self._publish_drops()
+            self.runner.log_drops()
+            self.runner.adjust_share()  # also when no job comes to move it
             try:
                 mtime_ns = self._path.stat().st_mtime_ns
                 if mtime_ns == self._mtime_ns:
@@ -222,8 +245,9 @@ class Experiments:
                 self._mtime_ns = mtime_ns
                 log.info("experiments reloaded from %s", self._path)
                 self._warn_unloaded()
-            except Exception:
-                log.exception("keeping the current experiments: %s is not valid", self._path)
+            except Exception as exc:
+                log.error("keeping the current experiments: %s", exc)
+                log.debug("the experiments file could not be used", exc_info=True)
                 with contextlib.suppress(OSError):
                     self._mtime_ns = self._path.stat().st_mtime_ns
                 continue

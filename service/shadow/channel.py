@@ -9,12 +9,14 @@ Server to worker::
 
     ("config", log_prefix, replica_id, flush_interval_s, pass_interval_s, log_rolling)  first
     ("version", model, version, model_dir)                  before the first job that needs it
+    ("roll",)                                               publish the open log files now
     ("job", model, experiment, versions, champion_version, mode,
      request_ids, entity_ids, champion_scores, arrays, explain_top_k, explain_when)
 
 Worker to server::
 
-    ("done", {model: jobs completed}, {model: jobs failed}, decision_flips)
+    ("done", {model: jobs completed}, {model: jobs failed}, decision_flips,
+     ns its scoring thread ran, ns it waited to run)              since the last one
 """
 
 from __future__ import annotations

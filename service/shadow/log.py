@@ -268,6 +268,7 @@ class ExperimentLog:
         self._write_lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = False
+        self._roll_requested = False
         self._thread: threading.Thread | None = None
         self.dropped = 0
         self.written = 0
@@ -325,6 +326,12 @@ class ExperimentLog:
             self._roll(self._files.roll_due)
             return len(batch)
 
+    def roll(self) -> None:
+        """Publish every open file now, with what is buffered (from any thread; never waits:
+        the flusher does it at once). The server does it on SIGUSR1."""
+        self._roll_requested = True
+        self._wake.set()
+
     def recover(self) -> int:
         """Publish spools left by killed writers now (`start` does it too); returns records."""
         with self._write_lock:
@@ -365,8 +372,13 @@ class ExperimentLog:
             self._wake.wait(self.flush_interval_s)
             if self._closed:
                 return  # close() does the last flush itself, after join
+            self._wake.clear()
             try:
                 self.flush()
+                if self._roll_requested:
+                    self._roll_requested = False
+                    with self._write_lock:
+                        self._roll(self._files.roll_all)
             except Exception:  # the flusher must survive anything a filesystem raises
                 _log.exception("experiment log flush failed")
 

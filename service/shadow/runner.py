@@ -7,8 +7,18 @@ is dropped and counted: a comparison and two integer increments. The worker
 (`service.shadow.worker`) scores, logs the challenger records as its own replica under the
 same log prefix, and acknowledges with counts, which the event loop reads without blocking.
 
+When the worker falls behind (half the bound in flight), or the machine has no CPU to spare for
+it (its thread waited to run more than `CONTENDED_WAIT` of the time it ran, over a second: at
+idle priority it runs only on CPU the server and others leave, and what it takes from a full
+machine still shows in the champion's tail), the share of entities shadowed halves, down to
+`min_sampled_share`, and doubles again once it has kept up for a while: what it scores is then a
+deterministic sample, every entity whose hash falls below the share (`sampled`), rather than
+whatever happened not to be dropped, so entity-level statistics stay unbiased. The share is a
+gauge, each change a log line, and the report shows the coverage it gave.
+
 If the worker dies, its jobs in flight are counted as dropped and a new one is started after a
-back-off; the champion never waits on any of this.
+back-off; the champion never waits on any of this. Drops are counted by reason and logged at
+most once per `DROP_LOG_INTERVAL_S`.
 """
 
 from __future__ import annotations
@@ -26,10 +36,30 @@ from pathlib import Path
 from typing import Any
 
 from service.shadow.channel import FrameDecoder, encode_job, frame
+from service.shadow.experiment import stable_unit_interval
 from service.shadow.job import ShadowJob
 from service.shadow.priority import lower_priority, restrict_cpus
 
-__all__ = ["ShadowRunner"]
+__all__ = ["DROP_REASONS", "MIN_SAMPLED_SHARE", "ShadowRunner", "sampled"]
+
+# The least share of entities shadowed when the worker cannot keep up, by default
+# (RISKSERVE_SHADOW_MIN_SAMPLED_SHARE).
+MIN_SAMPLED_SHARE = 1 / 64
+# The share halves at most this often while the worker stays behind...
+SHARE_DOWN_S = 1.0
+# ...and doubles after the worker has kept up (a quarter of the bound or less in flight) this
+# long at the current share: slowly, so a share the worker can just hold is held.
+SHARE_UP_S = 10.0
+# The worker's CPU is contended when its thread waited to run more than this share of the time
+# it ran (over at least CONTENTION_WINDOW_S and 10 ms of both), and free again below the lower
+# one: measured on two vCPUs under the load test's mix, 0.19 at its default load, where the
+# champion's p99 holds, and 0.57 at twice it, where it does not.
+CONTENDED_WAIT = 0.4
+UNCONTENDED_WAIT = 0.25
+CONTENTION_WINDOW_S = 1.0
+_MIN_WINDOW_NS = 10_000_000
+DROP_LOG_INTERVAL_S = 10.0
+DROP_REASONS = ("queue full", "no worker", "not loaded", "unencodable")
 
 _log = logging.getLogger(__name__)
 
@@ -69,6 +99,7 @@ class ShadowRunner:
         log_rolling: Mapping[str, float] | None = None,
         max_queued_jobs: int = 1024,
         pass_interval_s: float = 0.1,
+        min_sampled_share: float = MIN_SAMPLED_SHARE,
         cpus: Collection[int] = (),
         restart_delay_s: float = 1.0,
         max_restart_delay_s: float = 60.0,
@@ -87,6 +118,9 @@ class ShadowRunner:
             rolling,
         )
         self.max_queued_jobs = max_queued_jobs
+        if not 0 < min_sampled_share <= 1:
+            raise ValueError("min_sampled_share must be in (0, 1]")
+        self.min_sampled_share = min_sampled_share
         self.cpus = frozenset(cpus)  # empty: the worker runs where the server may
         self._restart_delay_s = restart_delay_s
         self._max_restart_delay_s = max_restart_delay_s
@@ -98,6 +132,15 @@ class ShadowRunner:
         self._in_flight: dict[str, int] = {}
         self.in_flight = 0
         self._new_drops: dict[str, int] = {}
+        self._unlogged_drops: dict[str, int] = {}
+        self._drops_logged_s = time.monotonic()
+        self.sampled_share = 1.0
+        """The share of entities shadowed now: 1 unless the worker fell behind."""
+        self._share_changed_s = time.monotonic()
+        self._kept_up_since_s: float | None = None
+        self.contended = False
+        """Whether the worker's CPU was contended over the last window (see the module)."""
+        self._cpu_window: list[float] = [time.monotonic(), 0, 0]  # start, run ns, wait ns
         self._supervisor: asyncio.Task[None] | None = None
         self._closing = False
         self.worker_pid: int | None = None
@@ -113,15 +156,107 @@ class ShadowRunner:
         """True when the next job would be dropped (jobs in flight at the bound, or no worker)."""
         return self.in_flight >= self.max_queued_jobs or not self._accepting or self._closing
 
-    def drop(self, model: str, jobs: int = 1) -> None:
+    @property
+    def full_reason(self) -> str:
+        """Why the next job would be dropped (a `DROP_REASONS` entry); "" when it would not."""
+        if not self._accepting or self._closing:
+            return "no worker"
+        return "queue full" if self.in_flight >= self.max_queued_jobs else ""
+
+    def drop(self, model: str, jobs: int = 1, reason: str = "queue full") -> None:
         """Count dropped jobs; this is all a full queue costs the server."""
         self.dropped += jobs
         self._new_drops[model] = self._new_drops.get(model, 0) + jobs
+        self._unlogged_drops[reason] = self._unlogged_drops.get(reason, 0) + jobs
 
     def take_drops(self) -> dict[str, int]:
         """Jobs dropped per model since the last call (to feed a metric off the hot path)."""
         drops, self._new_drops = self._new_drops, {}
         return drops
+
+    def log_drops(self, *, now_or_never: bool = False) -> None:
+        """Log the drops since the last line, by reason, at most once per DROP_LOG_INTERVAL_S
+        (`now_or_never`: whatever the interval, as the server closes)."""
+        now = time.monotonic()
+        if not self._unlogged_drops:
+            return
+        if not now_or_never and now - self._drops_logged_s < DROP_LOG_INTERVAL_S:
+            return
+        drops, self._unlogged_drops = self._unlogged_drops, {}
+        reasons = ", ".join(f"{reason}: {jobs:,}" for reason, jobs in sorted(drops.items()))
+        _log.warning(
+            "%s shadow copies dropped in the last %.0f s (%s)",
+            f"{sum(drops.values()):,}",
+            now - self._drops_logged_s,
+            reasons,
+        )
+        self._drops_logged_s = now
+
+    def adjust_share(self) -> None:
+        """Halve the sampled share while the worker is behind; double it once it keeps up.
+
+        Called as jobs are submitted and acknowledged; a comparison or two when nothing moves.
+        """
+        now = time.monotonic()
+        if self.in_flight * 2 >= self.max_queued_jobs or self.contended:
+            self._kept_up_since_s = None
+            if (
+                self.sampled_share > self.min_sampled_share
+                and now - self._share_changed_s >= SHARE_DOWN_S
+            ):
+                self._set_share(max(self.sampled_share / 2, self.min_sampled_share), now)
+        elif self.sampled_share < 1.0 and self.in_flight * 4 <= self.max_queued_jobs:
+            if self._kept_up_since_s is None:
+                self._kept_up_since_s = now
+            elif now - max(self._kept_up_since_s, self._share_changed_s) >= SHARE_UP_S:
+                self._set_share(min(self.sampled_share * 2, 1.0), now)
+                self._kept_up_since_s = None
+
+    def _set_share(self, share: float, now: float) -> None:
+        behind = share < self.sampled_share
+        self.sampled_share, self._share_changed_s = share, now
+        if behind:
+            why = (
+                "no CPU to spare on this machine"
+                if self.contended and self.in_flight * 2 < self.max_queued_jobs
+                else f"{self.in_flight} jobs in flight"
+            )
+            _log.warning(
+                "shadow worker behind (%s): shadowing the entities of a %s share "
+                "(chosen by entity hash)",
+                why,
+                _fraction(share),
+            )
+        elif share < 1.0:
+            _log.info(
+                "shadow worker keeping up: shadowing the entities of a %s share", _fraction(share)
+            )
+        else:
+            _log.info("shadow worker keeping up: shadowing every entity again")
+
+    def observe_cpu(self, run_ns: int, wait_ns: int, now: float | None = None) -> None:
+        """The worker's thread ran `run_ns` and waited to run `wait_ns` since its last report:
+        decide, once a window, whether its CPU is contended."""
+        now = time.monotonic() if now is None else now
+        window = self._cpu_window
+        window[1] += run_ns
+        window[2] += wait_ns
+        if now - window[0] < CONTENTION_WINDOW_S:
+            return
+        run, wait = window[1], window[2]
+        if run + wait >= _MIN_WINDOW_NS:
+            if wait > CONTENDED_WAIT * run:
+                self.contended = True
+            elif wait < UNCONTENDED_WAIT * run:
+                self.contended = False
+        else:  # it hardly ran or waited: nothing to shed
+            self.contended = False
+        self._cpu_window = [now, 0, 0]
+
+    def roll(self) -> None:
+        """Have the worker publish its open log files now (after what it has been sent)."""
+        if self._accepting and not self._closing:
+            self._write(frame(("roll",)))
 
     def forget(self, model: str, version: str) -> None:
         """`version`'s files changed (a reload in place): announce it again before its next
@@ -131,14 +266,16 @@ class ShadowRunner:
 
     def submit(self, job: ShadowJob) -> bool:
         """Send a job without waiting; False (and counted) when full, closed or not loaded."""
-        if self.full or not self._announce(job):
-            self.drop(job.model)
+        reason = self.full_reason
+        if reason or not self._announce(job):
+            self.drop(job.model, reason=reason or "not loaded")
+            self.adjust_share()
             return False
         try:
             data = encode_job(job)
         except Exception:  # a shadow copy must never fail the request it copies
             _log.exception("shadow copy of %s dropped: it cannot be encoded", job.model)
-            self.drop(job.model)
+            self.drop(job.model, reason="unencodable")
             return False
         if self._supervisor is None:
             self._start_worker()
@@ -146,6 +283,8 @@ class ShadowRunner:
         self.submitted += 1
         self.in_flight += 1
         self._in_flight[job.model] = self._in_flight.get(job.model, 0) + 1
+        if self.in_flight * 2 >= self.max_queued_jobs:
+            self.adjust_share()
         return True
 
     def start(self) -> None:
@@ -213,7 +352,7 @@ class ShadowRunner:
     def _on_message(self, message: tuple[Any, ...]) -> None:
         if message[0] != "done":
             raise ValueError(f"unexpected message from the shadow worker: {message[0]!r}")
-        _, completed, failed, flips = message
+        _, completed, failed, flips, run_ns, wait_ns = message
         for counts in (completed, failed):
             for model, jobs in counts.items():
                 self._in_flight[model] = self._in_flight.get(model, 0) - jobs
@@ -221,11 +360,13 @@ class ShadowRunner:
         self.completed += sum(completed.values())
         self.failed += sum(failed.values())
         self.decision_flips += flips
+        self.observe_cpu(run_ns, wait_ns)
+        self.adjust_share()
 
     def _lose_in_flight(self) -> None:
         for model, jobs in self._in_flight.items():
             if jobs > 0:
-                self.drop(model, jobs)
+                self.drop(model, jobs, reason="no worker")
         self._in_flight.clear()
         self.in_flight = 0
 
@@ -320,3 +461,14 @@ class ShadowRunner:
             self._kill()
         _, status = await waiter
         return os.waitstatus_to_exitcode(status)
+
+
+def sampled(share: float, model: str, entity_id: str, request_id: str) -> bool:
+    """Whether a row is in the sampled `share`: by its entity's hash (its request id's for a
+    request that names no entity), the same in every process; the entities of a smaller share
+    are among those of every larger one."""
+    return stable_unit_interval("shadow-sample", model, entity_id or request_id) < share
+
+
+def _fraction(share: float) -> str:
+    return f"1/{round(1 / share)}"

@@ -65,6 +65,28 @@ class _Reader:
         return True
 
 
+class _ThreadCpu:
+    """The scoring thread's time on a CPU and waiting for one (``/proc/thread-self/schedstat``;
+    zeros where the kernel has no such file), as differences since the last call."""
+
+    def __init__(self) -> None:
+        self._last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[int, int]:
+        try:
+            run, wait, _ = Path("/proc/thread-self/schedstat").read_text().split()
+        except (OSError, ValueError):
+            return 0, 0
+        return int(run), int(wait)
+
+    def since_last(self) -> tuple[int, int]:
+        now = self._read()
+        run, wait = now[0] - self._last[0], now[1] - self._last[1]
+        self._last = now
+        return run, wait
+
+
 def serve(sock: socket.socket) -> None:
     reader = _Reader(sock)
     first = reader.read(1)
@@ -76,6 +98,7 @@ def serve(sock: socket.socket) -> None:
         prefix, replica_id=replica_id, flush_interval_s=flush_interval_s, **rolling
     ).start()
     scorer = ChallengerScorer(log)
+    cpu = _ThreadCpu()
     acknowledging = True
     try:
         while messages := reader.read(MAX_JOBS_PER_PASS):
@@ -84,6 +107,8 @@ def serve(sock: socket.socket) -> None:
             for message in messages:
                 if message[0] == "version":
                     scorer.add_version(message[1], message[2], Path(message[3]))
+                elif message[0] == "roll":
+                    log.roll()
                 elif message[0] == "job":
                     try:
                         jobs.append(decode_job(message))
@@ -94,7 +119,15 @@ def serve(sock: socket.socket) -> None:
             outcome.failed.update(unreadable)
             if not outcome.completed and not outcome.failed:
                 continue
-            ack = ("done", dict(outcome.completed), dict(outcome.failed), outcome.decision_flips)
+            run_ns, wait_ns = cpu.since_last()
+            ack = (
+                "done",
+                dict(outcome.completed),
+                dict(outcome.failed),
+                outcome.decision_flips,
+                run_ns,
+                wait_ns,
+            )
             if acknowledging:
                 try:
                     sock.sendall(frame(ack))

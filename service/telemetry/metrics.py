@@ -47,6 +47,30 @@ FALLBACK_REASONS = (
 # identity not on the allow-list.
 AUTH_REFUSAL_REASONS = ("missing_token", "invalid_token", "client_identity")
 
+# Each instrument's attributes, as docs/telemetry.md lists them (`service.telemetry.docs`
+# writes that table from these and the instruments `Metrics` creates; a test checks both).
+_SHED_NOTE = (
+    '`model=""` for a call refused before its model is read (`concurrency`, and `deadline` when '
+    "the caller's deadline passed before the call was read)"
+)
+ATTRIBUTES: dict[str, str] = {
+    REQUEST_DURATION: "method, model, version, engine",
+    QUEUE_WAIT_DURATION: "model, version",
+    ENGINE_DURATION: "model, version, engine",
+    BATCH_SIZE: "model, version, engine",
+    "riskserve.requests": "method, model, version, engine, status (gRPC code name)",
+    "riskserve.fallbacks": f"model, reason ({', '.join(f'`{r}`' for r in FALLBACK_REASONS)})",
+    "riskserve.shed": f"model, reason ({', '.join(f'`{r}`' for r in SHED_REASONS)}); {_SHED_NOTE}",
+    "riskserve.shadow.drops": "model",
+    "riskserve.shadow.sampled_share": "none (one per process)",
+    "riskserve.auth.refused": (
+        f"method, reason ({', '.join(f'`{r}`' for r in AUTH_REFUSAL_REASONS)})"
+    ),
+    "riskserve.model.reloads": "model, outcome (`loaded`, `replaced`, `refused`)",
+    "riskserve.traces": "decision",
+    "riskserve.queue.depth": "model, version",
+}
+
 # Queue depth per (model, version).
 QueueDepthCallback = Callable[[], Mapping[tuple[str, str], int]]
 # Traces decided so far, by reason kept or 'dropped'.
@@ -139,6 +163,13 @@ class Metrics:
         self._callback_lock = threading.Lock()
         self._depth_callback: QueueDepthCallback | None = None
         self._decisions_callback: TraceDecisionsCallback | None = None
+        self._shadow_share_callback: Callable[[], float] | None = None
+        meter.create_observable_gauge(
+            "riskserve.shadow.sampled_share",
+            callbacks=[self._observe_shadow_share],
+            description="Share of entities the shadow worker scores: 1, or less while it is "
+            "behind (a deterministic sample by entity hash).",
+        )
         meter.create_observable_counter(
             "riskserve.traces",
             callbacks=[self._observe_decisions],
@@ -249,6 +280,11 @@ class Metrics:
         with self._callback_lock:
             self._depth_callback = callback
 
+    def set_shadow_share_callback(self, callback: Callable[[], float] | None) -> None:
+        """`callback()` -> the shadow worker's sampled share, read at each scrape."""
+        with self._callback_lock:
+            self._shadow_share_callback = callback
+
     def set_trace_decisions_callback(self, callback: TraceDecisionsCallback | None) -> None:
         """`callback()` -> {decision: traces so far}, called at each scrape."""
         with self._callback_lock:
@@ -299,6 +335,11 @@ class Metrics:
         if callback is None:
             return []
         return [Observation(n, {"decision": d}) for d, n in dict(callback()).items()]
+
+    def _observe_shadow_share(self, options: CallbackOptions) -> Iterable[Observation]:
+        with self._callback_lock:
+            callback = self._shadow_share_callback
+        return [] if callback is None else [Observation(callback())]
 
     def _observe_depth(self, options: CallbackOptions) -> Iterable[Observation]:
         with self._callback_lock:

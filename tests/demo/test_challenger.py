@@ -63,6 +63,7 @@ def test_shadow_experiment_logs_the_challengers_scores(tmp_path: Path):
         "RISKSERVE_SHADOW_LOG_PREFIX": str(logs),
         "RISKSERVE_SHADOW_FLUSH_INTERVAL_S": "0.1",
         "RISKSERVE_SHADOW_MAX_FILE_AGE_S": "0.2",
+        "RISKSERVE_SHADOW_MIN_SAMPLED_SHARE": "1",  # every copy, however busy the machine
         "RISKSERVE_BUDGET_MS": "2000",
         "RISKSERVE_ONNX_VARIANTS": "false",
     }

@@ -12,16 +12,20 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import numpy as np
 import onnxruntime as ort
+import pyarrow.parquet as pq
 import pytest
 from liveserver import LiveServer, server_process
 from modelkit import sequence_request, write_sequence_model
 from scrape import scraped_total
 from waiting import wait_until
 
+from riskreport import build_report, render_summary
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.shadow import NoRecords, read_records
+from service.shadow import runner as runner_module
 from service.shadow.log import read_spool
+from service.shadow.runner import sampled
 
 
 def request(i: int) -> pb.ScoreRequest:
@@ -54,15 +58,22 @@ def setup(tmp_path):
     return models, v1, v2, config, tmp_path / "logs"
 
 
-def test_shadow_log_holds_one_record_per_accepted_request(setup, tmp_path):
-    models, _, v2, config, logs = setup
-    env = {
+def shadow_env(config, logs, *, flush_interval_s: float) -> dict[str, str]:
+    """A server process's settings for the seq-mini experiment."""
+    return {
         "RISKSERVE_EXPERIMENTS_FILE": str(config),
         "RISKSERVE_SHADOW_LOG_PREFIX": str(logs),
-        "RISKSERVE_SHADOW_FLUSH_INTERVAL_S": "0.2",
+        "RISKSERVE_SHADOW_FLUSH_INTERVAL_S": str(flush_interval_s),
+        # Every copy is scored or dropped and counted: never sampled out, however busy the CI.
+        "RISKSERVE_SHADOW_MIN_SAMPLED_SHARE": "1",
         "RISKSERVE_DEFAULT_MODEL": "seq-mini",
         "RISKSERVE_BUDGET_MS": "1000",
     }
+
+
+def test_shadow_log_holds_one_record_per_accepted_request(setup, tmp_path):
+    models, _, v2, config, logs = setup
+    env = shadow_env(config, logs, flush_interval_s=0.2)
     served: dict[str, pb.ScoreResponse] = {}
     output: list[str] = []
     with server_process(models, output=output, **env) as (proc, target):
@@ -154,6 +165,8 @@ def live_shadow_server(models, config, logs, **settings) -> LiveServer:
         experiments_file=config,
         shadow_log_prefix=str(logs),
         shadow_flush_interval_s=0.1,
+        # Every copy is scored or dropped and counted: never sampled out, however busy the CI.
+        shadow_min_sampled_share=1.0,
         default_model="seq-mini",
         budget_ms=5000,
         **settings,
@@ -215,3 +228,55 @@ def test_champion_serves_on_while_the_shadow_worker_dies_and_is_replaced(setup):
     assert runner.worker_exits == 1
     assert {f"q{i}" for i in range(60, 80)} <= set(logged)
     assert len(logged) + runner.dropped == 80 and len(set(logged)) == len(logged)
+
+
+def test_a_sampled_share_shadows_exactly_the_entities_its_hash_picks(setup, monkeypatch):
+    models, _, _, config, logs = setup
+    monkeypatch.setattr(runner_module, "SHARE_UP_S", 3600.0)  # the share holds for the test
+    with live_shadow_server(models, config, logs, metrics_port=0) as live:
+        runner = live.server.experiments.runner
+        runner.sampled_share = 0.25  # where a worker that fell behind leaves it
+        url = live.server.telemetry.metrics_url
+        assert scraped_total(url, "riskserve_shadow_sampled_share") == 0.25
+        with live.channel() as channel:
+            stub = pb_grpc.RiskScoringStub(channel)
+            requests = [request(i) for i in range(200)]
+            for req in requests:
+                stub.Score(req, timeout=5)
+            batch = pb.ScoreBatchRequest(requests=[request(i) for i in range(200, 240)])
+            stub.ScoreBatch(batch, timeout=5)
+            requests += list(batch.requests)
+    picked = {
+        r.request_id for r in requests if sampled(0.25, "seq-mini", r.entity_id, r.request_id)
+    }
+    assert 0 < len(picked) < len(requests)
+    assert sorted(challenger_ids(logs)) == sorted(picked)  # by entity: each entity all or none
+    assert runner.dropped == 0  # sampled out is not dropped
+
+
+def published_rows(logs) -> int:
+    return sum(pq.read_metadata(p).num_rows for p in logs.rglob("*.parquet"))
+
+
+def test_a_report_made_while_the_server_runs_reads_its_open_files_and_sigusr1_rolls_them(setup):
+    models, _, _, config, logs = setup
+    env = shadow_env(config, logs, flush_interval_s=0.1)
+    output: list[str] = []
+    with server_process(models, output=output, **env) as (proc, target):
+        with grpc.insecure_channel(target) as channel:
+            stub = pb_grpc.RiskScoringStub(channel)
+            for i in range(30):
+                stub.Score(request(i), timeout=5)
+        # Both arms' records are in open files (rolled only after five minutes): read there.
+        wait_until(lambda: spooled_rows(logs) == 60)
+        assert published_rows(logs) == 0
+        report = build_report(str(logs))
+        assert (report.records, report.spooled_records) == (60, 60)
+        assert report.comparisons[0].pairs == 30
+        assert "60 of them from open log files not yet rolled" in render_summary(report)
+        proc.send_signal(signal.SIGUSR1)  # roll now: the server's file and its worker's
+        wait_until(lambda: published_rows(logs) == 60)
+        assert any("rolling the experiment log files" in line for line in output)
+        assert build_report(str(logs)).records == 60  # each record once, rolled or not
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

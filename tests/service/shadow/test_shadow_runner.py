@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -15,8 +17,13 @@ import pytest
 from modelkit import write_sequence_model
 from waiting import until
 
-from service.shadow import ShadowJob, ShadowRunner
+from engines.onnxrt import OnnxRuntimeEngine
+from service.batching.rows import MAX_PADDING
+from service.shadow import ExperimentLog, ShadowJob, ShadowRunner
+from service.shadow import runner as runner_module
 from service.shadow.log import read_spool
+from service.shadow.runner import MIN_SAMPLED_SHARE, sampled
+from service.shadow.scorer import ChallengerScorer
 
 MODEL = "seq-mini"
 
@@ -213,3 +220,129 @@ def test_worker_runs_at_idle_priority_on_the_cpus_it_is_given(models: Path, tmp_
     runner, seen = run(scenario)
     assert seen == {(os.SCHED_IDLE, 19, frozenset({cpu}))}  # every thread of the worker
     assert runner.completed == 1 and runner.cpus == frozenset({cpu})
+
+
+def test_a_pass_runs_rows_grouped_by_history_length_with_bounded_padding(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    calls: list[tuple[int, int, float]] = []  # rows, padded length, real history rows
+    infer = OnnxRuntimeEngine.infer
+
+    def recording(self: OnnxRuntimeEngine, inputs: dict[str, np.ndarray]) -> object:
+        mask = inputs["history_mask"]
+        calls.append((mask.shape[0], mask.shape[1], float(mask.sum())))
+        return infer(self, inputs)
+
+    monkeypatch.setattr(OnnxRuntimeEngine, "infer", recording)
+    log = ExperimentLog(str(tmp_path), replica_id="t", flush_interval_s=0.05).start()
+    scorer = ChallengerScorer(log, max_rows_per_call=8)
+    for version in ("1", "2"):
+        scorer.add_version(MODEL, version, models / MODEL / version)
+    # One long history among many short ones, all in one pass.
+    jobs = [job(0, length=16)] + [job(i, rows=2, length=1 + i % 3) for i in range(1, 20)]
+    outcome = scorer.score(jobs)
+    scorer.close()
+    log.close()
+    assert outcome.completed == {MODEL: 20} and not outcome.failed
+    assert sum(rows for rows, _, _ in calls) == 39
+    for rows, length, real in calls:
+        assert rows <= 8
+        assert rows == 1 or rows * length <= MAX_PADDING * real
+    assert max(length for rows, length, _ in calls if rows > 1) < 16  # the long row ran apart
+    logged = {r["request_id"]: r["score"] for r in records(tmp_path)}
+    for j in jobs:  # each row scored as if alone, whatever it was grouped with
+        for request_id, score in zip(j.request_ids, direct(models / MODEL / "2", j), strict=True):
+            assert logged[request_id] == pytest.approx(float(score), abs=1e-6)
+
+
+def test_a_worker_behind_halves_the_sampled_share_and_doubles_it_once_caught_up(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    monkeypatch.setattr(runner_module, "SHARE_DOWN_S", 0.0)
+    monkeypatch.setattr(runner_module, "SHARE_UP_S", 0.0)
+
+    async def scenario() -> list[float]:
+        runner = runner_for(models, tmp_path, max_queued_jobs=8)
+        runner.start()
+        assert runner.submit(job(0))
+        await until(lambda: runner.completed == 1)  # the worker runs
+        pid = runner.worker_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            shares = []
+            for i in range(1, 6):  # half the bound in flight from the fourth on: behind
+                assert runner.submit(job(i))
+                shares.append(runner.sampled_share)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        await until(lambda: runner.completed == 6)
+        for _ in range(6):  # caught up: the share doubles back (its acks may have begun it)
+            runner.adjust_share()
+            shares.append(runner.sampled_share)
+        await runner.close(timeout_s=30)
+        return shares
+
+    with caplog.at_level("INFO", logger="service.shadow.runner"):
+        shares = asyncio.run(scenario())
+    assert shares[:5] == [1.0, 1.0, 1.0, 0.5, 0.25]
+    after = list(dict.fromkeys(shares[5:]))
+    assert after[-1] == 1.0 and all(b == 2 * a for a, b in itertools.pairwise(after))
+    lines = [r.getMessage() for r in caplog.records if "shadowing" in r.getMessage()]
+    assert "behind" in lines[0] and "shadowing the entities of a 1/2 share" in lines[0]
+    assert "1/4 share" in lines[1]
+    assert lines[-1] == "shadow worker keeping up: shadowing every entity again"
+
+
+def test_the_sample_is_nested_and_its_size_follows_the_share():
+    entities = [f"e{i}" for i in range(20_000)]
+    taken = {
+        share: {e for e in entities if sampled(share, "m", e, "request")}
+        for share in (1.0, 0.5, 0.25, MIN_SAMPLED_SHARE)
+    }
+    assert taken[1.0] == set(entities)
+    assert taken[MIN_SAMPLED_SHARE] <= taken[0.25] <= taken[0.5]  # a smaller share's are kept
+    for share in (0.5, 0.25, MIN_SAMPLED_SHARE):
+        assert len(taken[share]) == pytest.approx(share * len(entities), rel=0.1)
+    # A request that names no entity is drawn by its request id.
+    assert sampled(0.5, "m", "", "r1") == sampled(0.5, "m", "r1", "other")
+
+
+def test_drops_are_logged_by_reason_at_most_once_an_interval(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    runner = runner_for(models, tmp_path)
+    runner.drop(MODEL, 3, reason="queue full")
+    runner.drop(MODEL, 2, reason="no worker")
+    with caplog.at_level("WARNING", logger="service.shadow.runner"):
+        runner.log_drops()  # within the interval since the runner began: not yet
+        assert not caplog.records
+        monkeypatch.setattr(runner_module, "DROP_LOG_INTERVAL_S", 0.0)
+        runner.log_drops()
+        runner.log_drops()  # nothing new: no line
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert line.startswith("5 shadow copies dropped in the last")
+    assert "(no worker: 2, queue full: 3)" in line
+
+
+def test_a_worker_short_of_cpu_halves_the_share_before_its_queue_grows(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+):
+    monkeypatch.setattr(runner_module, "SHARE_DOWN_S", 0.0)
+    runner = runner_for(models, tmp_path)
+    start = time.monotonic()
+    ms = 1_000_000
+    runner.observe_cpu(100 * ms, 20 * ms, now=start + 0.5)  # within the window: no verdict
+    assert not runner.contended
+    runner.observe_cpu(100 * ms, 120 * ms, now=start + 1.5)  # waited 0.7 of its run time
+    assert runner.contended
+    with caplog.at_level("WARNING", logger="service.shadow.runner"):
+        runner.adjust_share()
+    assert runner.sampled_share == 0.5 and runner.in_flight == 0
+    assert "no CPU to spare on this machine" in caplog.records[-1].getMessage()
+    runner.observe_cpu(300 * ms, 90 * ms, now=start + 3.0)  # 0.3: between the bounds, holds
+    assert runner.contended
+    runner.observe_cpu(300 * ms, 30 * ms, now=start + 4.5)  # 0.1: free again
+    assert not runner.contended
+    runner.observe_cpu(2 * ms, 5 * ms, now=start + 6.0)  # hardly ran: nothing to judge by
+    assert not runner.contended
