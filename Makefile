@@ -71,9 +71,11 @@ include loadtest/loadtest.mk
 proto: $(VENV)/.test-installed
 	PYTHON=$(BIN)/python scripts/gen-proto
 
-# docs/configuration.md is generated from the Settings model (a test fails when it is stale).
+# docs/configuration.md is generated from the Settings model, and docs/telemetry.md's metric
+# table from the instruments the code creates (a test fails when either is stale).
 config-docs: $(VENV)/.serve-installed
 	$(BIN)/python -m service.config_docs
+	$(BIN)/python -m service.telemetry.docs
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -19,7 +19,7 @@ from pydantic.fields import FieldInfo
 
 from service.config import Settings
 
-__all__ = ["render"]
+__all__ = ["publish", "render"]
 
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -114,15 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="only check the file is current")
     parser.add_argument("--path", type=Path, default=DEFAULT_PATH)
     args = parser.parse_args(argv)
-    page = render()
-    if args.check:
-        current = args.path.read_text() if args.path.exists() else ""
+    return publish(args.path, render(), "python -m service.config_docs", check=args.check)
+
+
+def publish(path: Path, page: str, command: str, *, check: bool) -> int:
+    """Write a generated `page` to `path`, or (`check`) only say whether it is current: the
+    exit status of a generator's command line; `command` is what rewrites it."""
+    if check:
+        current = path.read_text() if path.exists() else ""
         if current != page:
-            print(f"{args.path} is stale: run python -m service.config_docs", file=sys.stderr)
+            print(f"{path} is stale: run {command}", file=sys.stderr)
             return 1
         return 0
-    args.path.write_text(page)
-    print(f"wrote {args.path}")
+    path.write_text(page)
+    print(f"wrote {path}")
     return 0
 
 
