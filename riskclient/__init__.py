@@ -15,6 +15,7 @@ from riskclient._errors import RiskClientError, ScoringError, StreamClosed
 from riskclient._messages import RequestLike
 from riskclient._stream import AsyncScoreStream
 from riskclient._sync import RiskClient, ScoreStream
+from riskclient._throttle import AdaptiveThrottle
 from riskscoring.v1.risk_scoring_pb2 import (
     Decision,
     HistoryRow,
@@ -24,6 +25,7 @@ from riskscoring.v1.risk_scoring_pb2 import (
 )
 
 __all__ = [
+    "AdaptiveThrottle",
     "AsyncRiskClient",
     "AsyncScoreStream",
     "Connection",

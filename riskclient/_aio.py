@@ -40,12 +40,17 @@ class AsyncRiskClient(ClientBase):
     ) -> pb.ScoreResponse:
         """Score one request with a unary call; raises ScoringError when it is not scored."""
         message = as_request(request)
+        self._admit(message.request_id)
         try:
-            return await self._stub.Score(
+            reply = await self._stub.Score(
                 message, timeout=self._timeout(timeout_s), metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc, message.request_id) from exc
+            error = ScoringError.from_rpc_error(exc, message.request_id)
+            self._ended(error.code)
+            raise error from exc
+        self._ended(grpc.StatusCode.OK)
+        return reply
 
     async def score_batch(
         self,
@@ -57,12 +62,16 @@ class AsyncRiskClient(ClientBase):
     ) -> list[pb.ScoreResponse]:
         """Score requests of one model together; responses in request order."""
         batch = self._batch(requests, model, model_version)
+        self._admit()
         try:
             reply = await self._stub.ScoreBatch(
                 batch, timeout=self._timeout(timeout_s), metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc) from exc
+            error = ScoringError.from_rpc_error(exc)
+            self._ended(error.code)
+            raise error from exc
+        self._ended(grpc.StatusCode.OK)
         return list(reply.responses)
 
     def stream(

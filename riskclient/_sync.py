@@ -39,12 +39,17 @@ class RiskClient(ClientBase):
     def score(self, request: RequestLike, *, timeout_s: float | None = None) -> pb.ScoreResponse:
         """Score one request with a unary call; raises ScoringError when it is not scored."""
         message = as_request(request)
+        self._admit(message.request_id)
         try:
-            return self._stub.Score(
+            reply = self._stub.Score(
                 message, timeout=self._timeout(timeout_s), metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc, message.request_id) from exc
+            error = ScoringError.from_rpc_error(exc, message.request_id)
+            self._ended(error.code)
+            raise error from exc
+        self._ended(grpc.StatusCode.OK)
+        return reply
 
     def score_batch(
         self,
@@ -56,12 +61,16 @@ class RiskClient(ClientBase):
     ) -> list[pb.ScoreResponse]:
         """Score requests of one model together; responses in request order."""
         batch = self._batch(requests, model, model_version)
+        self._admit()
         try:
             reply = self._stub.ScoreBatch(
                 batch, timeout=self._timeout(timeout_s), metadata=self._metadata
             )
         except grpc.RpcError as exc:
-            raise ScoringError.from_rpc_error(exc) from exc
+            error = ScoringError.from_rpc_error(exc)
+            self._ended(error.code)
+            raise error from exc
+        self._ended(grpc.StatusCode.OK)
         return list(reply.responses)
 
     def stream(

@@ -8,6 +8,7 @@ import sys
 import riskclient
 
 EXPECTED = {
+    "AdaptiveThrottle",
     "AsyncRiskClient",
     "AsyncScoreStream",
     "Connection",
