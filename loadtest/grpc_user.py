@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -27,6 +28,7 @@ import grpc
 import grpc.experimental.gevent as grpc_gevent
 from locust import User, events
 from locust.exception import StopUser
+from locust.runners import WorkerRunner
 
 from inference import grpc_service_pb2, grpc_service_pb2_grpc
 from riskscoring.v1 import risk_scoring_pb2, risk_scoring_pb2_grpc
@@ -43,6 +45,7 @@ __all__ = [
     "OipInput",
     "RpcStatusError",
     "ScoreStreamMux",
+    "verdict",
 ]
 
 DEFAULT_HOST = "127.0.0.1:50051"
@@ -74,6 +77,13 @@ def _add_arguments(parser: Any) -> None:
         default=0.0,
         env_var="LOCUST_DEADLINE_MS",
         help="gRPC deadline per call in ms; 0 sends none, so the server's budget applies.",
+    )
+    group.add_argument(
+        "--budget-ms",
+        type=float,
+        default=0.0,
+        env_var="LOCUST_BUDGET_MS",
+        help="The p99 the verdict line compares with; 0: the deadline, else 10 ms.",
     )
     group.add_argument(
         "--model",
@@ -269,6 +279,51 @@ def _close_streams(**_kwargs: Any) -> None:
         logger.info("the shared ScoreStream to %s carried %d answers", host, mux.answered)
         mux.close()
     _streams.clear()
+
+
+# The status a failed call ended with, from its message ("expected OK, got CODE: ...").
+_GOT_CODE = re.compile(r"got ([A-Z_]+)")
+_REFUSED = ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
+_DEFAULT_BUDGET_MS = 10.0
+
+
+@events.test_stop.add_listener
+def _report_verdict(environment: Any, **_kwargs: Any) -> None:
+    """One line for the run: answers a second against the rate offered, calls refused and
+    past their deadline, and the p99 against the budget. Made from locust's own totals, so the
+    master of several processes says it once for all of them."""
+    if isinstance(environment.runner, WorkerRunner):
+        return
+    logger.info(verdict(environment))
+
+
+def verdict(environment: Any) -> str:
+    stats = environment.stats
+    total = stats.total
+    elapsed_s = max(total.last_request_timestamp - total.start_time, 1e-9)
+    codes: Counter[str] = Counter()
+    for error in stats.errors.values():
+        found = _GOT_CODE.search(str(error.error))
+        codes[found.group(1) if found else "bad response"] += error.occurrences
+    options = environment.parsed_options
+    deadline_ms = float(getattr(options, "deadline_ms", 0.0) or 0.0)
+    budget_ms = float(getattr(options, "budget_ms", 0.0) or 0.0) or deadline_ms
+    budget_ms = budget_ms or _DEFAULT_BUDGET_MS
+    users = int(getattr(environment.runner, "target_user_count", 0) or 0)
+    offered = users * float(getattr(options, "rps_per_user", 0.0) or 0.0)
+    answered = total.num_requests - total.num_failures
+    refused = sum(codes[c] for c in _REFUSED)
+    late = codes["DEADLINE_EXCEEDED"]
+    other = total.num_failures - refused - late
+    p99_ms = total.get_response_time_percentile(0.99) if total.num_requests else 0.0
+    refusals = ", ".join(f"{c} {codes[c]:,}" for c in _REFUSED if codes[c])
+    return (
+        f"verdict: {answered / elapsed_s:,.0f} answers/s of {offered:,.0f} req/s offered; "
+        f"refused {refused:,}{f' ({refusals})' if refusals else ''}, "
+        f"deadline exceeded {late:,}, other failures {other:,}; "
+        f"p99 {p99_ms:g} ms, {'within' if p99_ms <= budget_ms else 'over'} the "
+        f"{budget_ms:g} ms budget"
+    )
 
 
 class GrpcClient:

@@ -15,7 +15,11 @@
 # With LOADTEST_SERVER empty no server is started and LOADTEST_HOST must already be serving.
 # Reports go to loadtest/reports/ (CSV, HTML, the server's log, the soak samples). The CSV is
 # written once a second, so its last second may be missing; the printed summary and the
-# HTML report are the final tally.
+# HTML report are the final tally. The run ends with one verdict line: answers a second
+# against the rate offered, calls refused (RESOURCE_EXHAUSTED, UNAVAILABLE) and past their
+# deadline, and the p99 against the budget (LOADTEST_DEADLINE_MS where set, else 10 ms):
+#
+#   make loadtest LOADTEST_USERS=200 LOADTEST_DEADLINE_MS=10   # above capacity: what held
 
 LOADTEST_PYTHON ?= .venv/bin/python
 LOADTEST_LOCUST ?= .venv/bin/locust

@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -83,7 +84,8 @@ def _server(
 def _locust(
     target: str, prefix: Path, run_time_s: int, extra: tuple[str, ...] = ()
 ) -> tuple[int, dict[str, dict[str, str]]]:
-    """Run locust headless; its exit status and run_stats.csv rows by request name."""
+    """Run locust headless; its exit status and run_stats.csv rows by request name (its
+    output goes to `prefix`.out)."""
     command = [
         str(LOCUST), "-f", str(LOCUSTFILE), "--headless", "-u", "10", "-r", "10",
         "--rps-per-user", "15", "--run-time", f"{run_time_s}s", "--host", target,
@@ -93,6 +95,7 @@ def _locust(
     done = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=run_time_s + 60
     )
+    prefix.with_name(prefix.name + ".out").write_text(done.stdout + done.stderr)
     stats_path = prefix.with_name(prefix.name + "_stats.csv")
     assert stats_path.exists(), done.stdout + done.stderr
     with stats_path.open(newline="") as handle:
@@ -118,6 +121,12 @@ def test_locust_mix_against_stand_in_server(tmp_path: Path) -> None:
     with _server(command, port, tmp_path / "server.log") as target:
         status, rows = _locust(target, tmp_path / "run", run_time_s=5)
     _assert_clean_mix(status, rows)
+    # One verdict line: 10 users x 15 req/s offered, nothing refused, late or failed.
+    assert re.search(
+        r"verdict: [\d,]+ answers/s of 150 req/s offered; refused 0, deadline exceeded 0, "
+        r"other failures 0; p99 [\d.]+ ms, (within|over) the 10 ms budget",
+        (tmp_path / "run.out").read_text(),
+    )
 
 
 def test_locust_mix_from_two_processes(tmp_path: Path) -> None:
@@ -181,6 +190,50 @@ def test_invalid_requests_answered_ok_are_failures(tmp_path: Path) -> None:
     assert int(invalid["Failure Count"]) == int(invalid["Request Count"])
     assert int(rows["Score"]["Failure Count"]) == 0
     assert status == 1
+    # The verdict is the final tally; the CSV, written once a second, may miss the last one.
+    found = re.search(
+        r"refused 0, deadline exceeded 0, other failures ([\d,]+);", _verdict(tmp_path / "run.out")
+    )
+    assert found and int(found[1].replace(",", "")) >= int(rows["Aggregated"]["Failure Count"])
+
+
+def _verdict(output: Path) -> str:
+    return next(line for line in output.read_text().splitlines() if "verdict:" in line)
+
+
+def test_the_verdict_counts_calls_the_server_refused(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "RISKSERVE_PORT": str(port),
+        "RISKSERVE_METRICS_PORT": "none",
+        "RISKSERVE_BUDGET_MS": "1000",
+        "RISKSERVE_MAX_REQUESTS_IN_PROGRESS": "1",  # a second call at a time is refused
+        "RISKSERVE_ENGINE_INLINE_MAX_US": "0",  # batches on an engine thread: calls overlap
+        **_small_sequence_model(tmp_path / "models"),
+    }
+    command = [
+        sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
+        "serve", "--port", str(port),
+    ]  # fmt: skip
+    with _server(command, port, tmp_path / "server.log", env=env) as target:
+        status, _ = _locust(target, tmp_path / "run", run_time_s=4, extra=("--deadline-ms", "500"))
+    with (tmp_path / "run_failures.csv").open(newline="") as handle:
+        refused = sum(
+            int(row["Occurrences"]) for row in csv.DictReader(handle)
+            if "got RESOURCE_EXHAUSTED" in row["Error"]
+        )  # fmt: skip
+    assert refused > 0 and status == 1
+    line = _verdict(tmp_path / "run.out")
+    found = re.search(
+        r"refused ([\d,]+) \(RESOURCE_EXHAUSTED ([\d,]+)\), deadline exceeded 0, "
+        r"other failures 0;",
+        line,
+    )
+    assert found and found[1] == found[2], line
+    # The final tally; the CSV, written once a second, may miss the last second's.
+    assert int(found[1].replace(",", "")) >= refused
+    assert "the 500 ms budget" in line  # the deadline, where the run sets one
 
 
 def _small_sequence_model(root: Path) -> dict[str, str]:
