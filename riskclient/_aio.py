@@ -83,4 +83,5 @@ class AsyncRiskClient(ClientBase):
             self._metadata,
             resend_unanswered=resend_unanswered,
             timeout_s=self._timeout(timeout_s),
+            throttle=self.throttle,
         )

@@ -22,9 +22,10 @@ class ClientBase:
     Without a `target` the client finds the server as the `riskserve` commands do, at
     RISKSERVE_HOST:RISKSERVE_PORT (default 127.0.0.1:50051).
 
-    Unary and batch calls go through an `AdaptiveThrottle` (`throttle`: True, the default; an
-    instance of your own; or False for none): while the server refuses calls as overloaded,
-    the client refuses a share of them itself, at once, with RESOURCE_EXHAUSTED."""
+    Unary and batch calls, and the messages of its streams, go through one `AdaptiveThrottle`
+    (`throttle`: True, the default; an instance of your own; or False for none): while the
+    server refuses calls as overloaded, the client refuses a share of them itself, at once,
+    with RESOURCE_EXHAUSTED."""
 
     def __init__(
         self,

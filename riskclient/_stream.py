@@ -21,6 +21,7 @@ import grpc
 
 from riskclient._errors import ScoringError, StreamClosed, status_code
 from riskclient._messages import RequestLike, as_request
+from riskclient._throttle import AdaptiveThrottle
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
@@ -28,6 +29,7 @@ __all__ = ["AsyncScoreStream"]
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
+_RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
 
@@ -58,8 +60,10 @@ class AsyncScoreStream:
         *,
         resend_unanswered: bool = False,
         timeout_s: float | None = None,
+        throttle: AdaptiveThrottle | None = None,
     ) -> None:
         self._stub = pb_grpc.RiskScoringStub(channel)
+        self.throttle = throttle
         self._metadata = tuple(metadata)
         self.resend_unanswered = resend_unanswered
         self._timeout_s = timeout_s
@@ -112,6 +116,8 @@ class AsyncScoreStream:
                 message.timeout_us = max(1, int(timeout_s * 1e6))
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
+        if self.throttle is not None and not self.throttle.allow():
+            raise ScoringError(_RESOURCE_EXHAUSTED, self.throttle.refusal(), request_id)
         loop = asyncio.get_running_loop()
         pending = _Pending(message, loop.create_future())
         self._pending[request_id] = pending
@@ -123,12 +129,19 @@ class AsyncScoreStream:
             self._has_work = asyncio.Event()
             self._runner = loop.create_task(self._run())
         try:
-            return await pending.future
+            reply = await pending.future
+        except ScoringError as exc:
+            if self.throttle is not None:
+                self.throttle.record(exc.code)
+            raise
         finally:
             if self._pending.get(request_id) is pending:
                 del self._pending[request_id]
             if pending.timer is not None:
                 pending.timer.cancel()
+        if self.throttle is not None:
+            self.throttle.record(grpc.StatusCode.OK)
+        return reply
 
     async def close(self) -> None:
         """Stop taking requests, wait for those sent to be answered, and end the stream."""

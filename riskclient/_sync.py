@@ -14,6 +14,7 @@ from riskclient._connection import Connection
 from riskclient._errors import ScoringError
 from riskclient._messages import RequestLike, as_request
 from riskclient._stream import AsyncScoreStream
+from riskclient._throttle import AdaptiveThrottle
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
@@ -78,7 +79,10 @@ class RiskClient(ClientBase):
     ) -> ScoreStream:
         """A stream client many threads share: ``stream.score(request)`` from each."""
         return ScoreStream(
-            self.connection, resend_unanswered=resend_unanswered, timeout_s=self._timeout(timeout_s)
+            self.connection,
+            resend_unanswered=resend_unanswered,
+            timeout_s=self._timeout(timeout_s),
+            throttle=self.throttle,
         )
 
 
@@ -91,6 +95,7 @@ class ScoreStream:
         *,
         resend_unanswered: bool = False,
         timeout_s: float | None = None,
+        throttle: AdaptiveThrottle | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -105,6 +110,7 @@ class ScoreStream:
                 connection.metadata,
                 resend_unanswered=resend_unanswered,
                 timeout_s=timeout_s,
+                throttle=throttle,
             )
             return channel, stream
 

@@ -1,10 +1,12 @@
 """Client-side adaptive throttling, as the Google SRE book's "Handling Overload" describes it.
 
-Each client keeps, over the last `window_s` seconds, how many calls it wanted to make
-(`requests`) and how many the server accepted (`accepts`: answered with anything but an
-overload status). While the server accepts them all, every call goes out. Once it refuses more
-than 1 in `k`, the client refuses a share of new calls itself, before they cost the network or
-the server anything, with the probability
+Each client keeps, over the last `window_s` seconds, how many calls it made (`requests`:
+those that ended, and those it refused itself) and how many the server accepted (`accepts`:
+answered with anything but an overload status). A call counts when it ends, so a burst of calls
+in flight on a healthy server is never mistaken for calls refused. While the server accepts
+them all, every call goes out. Once it refuses more than 1 in `k`, the client refuses a share
+of new calls itself, before they cost the network or the server anything, with the
+probability
 
     max(0, (requests - k * accepts) / (requests + 1))
 
@@ -72,27 +74,31 @@ class AdaptiveThrottle:
         return max(0.0, (requests - self.k * accepts) / (requests + 1))
 
     def allow(self) -> bool:
-        """Whether to send the next call; it is counted as a request either way."""
+        """Whether to send the next call; one refused here counts as a request at once."""
         with self._lock:
             now = int(self._clock())
             self._expire(now)
             p = max(0.0, (self._requests - self.k * self._accepts) / (self._requests + 1))
-            self._bucket(now)[1] += 1
-            self._requests += 1
             if p > 0 and self._draw() < p:
+                self._bucket(now)[1] += 1
+                self._requests += 1
                 self.throttled += 1
                 return False
             return True
 
     def record(self, code: grpc.StatusCode) -> None:
-        """The status a sent call ended with; anything but an overload status is an accept."""
-        if code in OVERLOAD_CODES:
-            return
+        """The status a sent call ended with: a request, and an accept unless it is an
+        overload status."""
+        accepted = code not in OVERLOAD_CODES
         with self._lock:
             now = int(self._clock())
             self._expire(now)
-            self._bucket(now)[2] += 1
-            self._accepts += 1
+            bucket = self._bucket(now)
+            bucket[1] += 1
+            self._requests += 1
+            if accepted:
+                bucket[2] += 1
+                self._accepts += 1
 
     def refusal(self) -> str:
         """The message of a call the client refused."""

@@ -3,15 +3,16 @@ that refuses what it cannot take."""
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
+import asyncio
+import random
+import socket
 
 import grpc
 import pytest
 from liveserver import LiveServer
 from modelkit import sequence_request, write_sequence_model
 
-from riskclient import AdaptiveThrottle, RiskClient, ScoringError
+from riskclient import AdaptiveThrottle, AsyncRiskClient, RiskClient, ScoringError
 
 OK, REFUSED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -30,16 +31,23 @@ def test_calls_pass_while_the_server_accepts_and_are_refused_as_it_refuses():
     for _ in range(50):
         assert throttle.allow()
         throttle.record(OK)
+    assert throttle.allow()
     throttle.record(grpc.StatusCode.INVALID_ARGUMENT)  # answered: an accept all the same
-    assert throttle.counts() == (50, 51) and throttle.rejection_probability() == 0
+    assert throttle.counts() == (51, 51) and throttle.rejection_probability() == 0
     for _ in range(100):  # refused: the probability climbs past the draw
         if throttle.allow():
             throttle.record(REFUSED)
     requests, accepts = throttle.counts()
-    assert (requests, accepts) == (150, 51)
-    assert throttle.rejection_probability() == pytest.approx((150 - 102) / 151)
+    assert (requests, accepts) == (151, 51)
+    assert throttle.rejection_probability() == pytest.approx((151 - 102) / 152)
     assert throttle.throttled > 0
-    assert "the server accepted 51 of the last 150 calls" in throttle.refusal()
+    assert "the server accepted 51 of the last 151 calls" in throttle.refusal()
+
+
+def test_calls_in_flight_are_not_counted_until_they_end():
+    throttle = AdaptiveThrottle(clock=Clock(), draw=lambda: 0.0)
+    assert all(throttle.allow() for _ in range(100))  # a burst on a healthy server
+    assert throttle.counts() == (0, 0)
 
 
 def test_the_window_forgets_and_a_recovered_server_is_seen():
@@ -55,33 +63,59 @@ def test_the_window_forgets_and_a_recovered_server_is_seen():
     assert throttle.rejection_probability() == 0
 
 
-def test_a_client_facing_refusals_throttles_itself_and_fails_at_once(tmp_path):
+LATE = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.fixture()
+def live(tmp_path):
     models = tmp_path / "models"
     write_sequence_model(models)
-    settings = dict(
-        models_dir=models,
-        default_model="seq-mini",
-        max_requests_in_progress=1,  # every call beyond one at a time is refused
-        engine_inline_max_us=0,  # batches on an engine thread: calls overlap meanwhile
-        budget_ms=2000,
-    )
-    outcomes: list[tuple[str, float]] = []
-    with LiveServer(**settings) as live, RiskClient(live.target) as client:
+    with LiveServer(models_dir=models, default_model="seq-mini") as server:
+        yield server
 
-        def call(i: int) -> None:
-            started = time.monotonic()
-            try:
+
+def _outcome(exc: ScoringError) -> str:
+    if exc.code == REFUSED and exc.message.startswith("throttled by the client"):
+        return "throttled"
+    assert exc.code == LATE, exc  # 1 µs is never enough: every message sent ends late
+    return "late"
+
+
+def test_a_client_whose_server_does_not_answer_throttles_itself():
+    with socket.socket() as probe:  # a port nothing listens on: every call UNAVAILABLE
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+    throttle = AdaptiveThrottle(draw=random.Random(1).random)
+    kinds: list[str] = []
+    with RiskClient(target, throttle=throttle) as client:
+        for i in range(200):
+            with pytest.raises(ScoringError) as refused:
                 client.score(sequence_request(i, 50), timeout_s=5)
-                outcomes.append(("ok", 0.0))
-            except ScoringError as exc:
-                assert exc.code == REFUSED, exc
-                local = exc.message.startswith("throttled by the client")
-                outcomes.append(("throttled" if local else "refused", time.monotonic() - started))
+            exc = refused.value
+            if exc.code == REFUSED:
+                assert exc.message.startswith("throttled by the client"), exc
+                kinds.append("throttled")
+            else:
+                assert exc.code == grpc.StatusCode.UNAVAILABLE, exc
+                kinds.append("unavailable")
+    assert kinds.count("throttled") == throttle.throttled > 100  # most never left the client
+    assert throttle.counts() == (200, 0)
 
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(call, range(800)))
-    kinds = [kind for kind, _ in outcomes]
-    assert kinds.count("refused") > 0 and kinds.count("ok") > 0
-    assert kinds.count("throttled") == client.throttle.throttled > 0
-    requests, accepts = client.throttle.counts()
-    assert requests == 800 and accepts == kinds.count("ok")
+
+def test_a_stream_whose_messages_all_fail_throttles_its_messages(live):
+    throttle = AdaptiveThrottle(draw=random.Random(2).random)
+    kinds: list[str] = []
+
+    async def scenario() -> None:
+        client = AsyncRiskClient(live.target, throttle=throttle)
+        async with client, client.stream() as stream:
+            for i in range(200):
+                try:
+                    await stream.score(sequence_request(i, 50), timeout_s=1e-6)
+                except ScoringError as exc:
+                    kinds.append(_outcome(exc))
+
+    asyncio.run(scenario())
+    assert len(kinds) == 200
+    assert kinds.count("throttled") == throttle.throttled > 100
+    assert throttle.counts() == (200, 0)
