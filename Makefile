@@ -55,7 +55,19 @@ $(VENV)/.kubectl-$(KUBECTL_VERSION): | $(BIN)/python
 	else echo "kubectl did not install: the manifest test uses one on PATH or is skipped," \
 		"and make tries again"; fi
 
-test: $(VENV)/.test-installed $(VENV)/.browser-checked $(VENV)/.kubectl-$(KUBECTL_VERSION)
+# The front's test runs HAProxy (docs/deploy.md, "A front before the workers"): Debian's
+# package, installed where apt-get runs as root; anywhere else that test is skipped and says why.
+$(VENV)/.haproxy-checked: | $(BIN)/python
+	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then touch $@; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing Debian's haproxy for the front's test"; \
+		if { timeout 300 apt-get update -qq && timeout 300 apt-get install -y -qq haproxy; } \
+			>/dev/null 2>&1; then touch $@; \
+		else echo "haproxy did not install: the front's test will be skipped, and make tries again"; fi; \
+	else echo "no haproxy and no root apt-get: the front's test will be skipped"; touch $@; fi
+
+test: $(VENV)/.test-installed $(VENV)/.browser-checked $(VENV)/.haproxy-checked \
+		$(VENV)/.kubectl-$(KUBECTL_VERSION)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest
 

@@ -299,6 +299,16 @@ def _shadow_report(args: argparse.Namespace) -> int:
     return shadow_report_main(args.report_args)
 
 
+def _front_config(args: argparse.Namespace) -> int:
+    from service import front
+
+    workers = [w.strip() for w in args.workers.split(",") if w.strip()]
+    if not workers:
+        raise CommandError("--workers names no address", EXIT_USAGE)
+    print(front.write(args.out, _settings(), workers))
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="riskserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -332,6 +342,17 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--workspace-mib", type=int, default=1024)
     build.add_argument("--rebuild", action="store_true", help="rebuild current plans too")
     build.set_defaults(run=_build_engines, precision=None)
+
+    front = sub.add_parser(
+        "front-config", help="write the HAProxy front's configuration from the settings"
+    )
+    front.add_argument("--out", type=Path, required=True, help="folder for haproxy.cfg")
+    front.add_argument(
+        "--workers",
+        required=True,
+        help="the workers' gRPC addresses, host:port, comma-separated",
+    )
+    front.set_defaults(run=_front_config)
 
     stats = sub.add_parser("stats", help="live p50/p99 per stage from a server's /metrics")
     stats.add_argument(
