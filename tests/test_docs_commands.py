@@ -16,14 +16,15 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from liveserver import REPO
-from waiting import wait_until
+from waiting import port_open, wait_until
+
+from bench.servers import free_port
 
 SKIPPED = {
     "make test": "the suite this test is part of",
@@ -63,11 +64,6 @@ def commands(page: str) -> Iterator[str]:
             line = re.split(r"\s+#\s", line, maxsplit=1)[0].strip()
             if line and not line.startswith("#"):
                 yield line
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 class Shell:
@@ -113,14 +109,14 @@ class Shell:
     def start_server(self) -> None:
         self.stop_server()
         port = int(self.env.get("RISKSERVE_PORT", "50051"))
-        assert not _listening(port), f"something else listens on {port}"
+        assert not port_open(port), f"something else listens on {port}"
         with (self.tmp / "server.log").open("ab") as log:
             self.server = subprocess.Popen(
                 ["make", "serve"], cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )  # fmt: skip
         server = self.server
-        wait_until(lambda: _listening(port) or server.poll() is not None, timeout_s=120)
+        wait_until(lambda: port_open(port) or server.poll() is not None, timeout_s=120)
         assert server.poll() is None, (self.tmp / "server.log").read_text()
 
     def stop_server(self) -> None:
@@ -135,8 +131,8 @@ def shell(tmp_path: Path) -> Iterator[Shell]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RISKSERVE_", "MAKE"))}
     env.pop("MFLAGS", None)
     env.update(
-        RISKSERVE_PORT=str(_free_port()),
-        RISKSERVE_METRICS_PORT=str(_free_port()),
+        RISKSERVE_PORT=str(free_port()),
+        RISKSERVE_METRICS_PORT=str(free_port()),
         # What the server writes relative to its working directory goes to the test's folder.
         RISKSERVE_SHADOW_LOG_PREFIX=str(tmp_path / "shadow-logs"),
         RISKSERVE_TRACE_FILE="none",
@@ -149,12 +145,6 @@ def shell(tmp_path: Path) -> Iterator[Shell]:
     finally:
         user.stop_server()
         (REPO / "request.json").unlink(missing_ok=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -4,8 +4,8 @@ with RESOURCE_EXHAUSTED and its message, health and all."""
 
 from __future__ import annotations
 
+import os
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,8 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from liveserver import LiveServer
 from modelkit import sequence_request, write_sequence_model
 from scrape import scraped_total
-from waiting import wait_until
+from waiting import port_open, wait_until
 
+from bench.servers import free_port
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.front import BUSY_MESSAGE, haproxy_config, queue_timeout_ms
@@ -29,17 +30,6 @@ needs_haproxy = pytest.mark.skipif(
     HAPROXY is None,
     reason="no haproxy here: `make test` installs Debian's haproxy where apt-get runs as root",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_the_config_holds_each_worker_to_its_calls_and_sheds_after_a_third_of_the_budget():
@@ -66,7 +56,7 @@ def front(tmp_path: Path) -> Iterator[tuple[str, list[LiveServer]]]:
     ]
     for worker in workers:
         worker.__enter__()
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "front"
     command = [
         sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
@@ -82,7 +72,7 @@ def front(tmp_path: Path) -> Iterator[tuple[str, list[LiveServer]]]:
     with log.open("wb") as sink:
         proxy = subprocess.Popen([HAPROXY, "-f", str(out / "haproxy.cfg")], stderr=sink)
     try:
-        wait_until(lambda: _listening(port) or proxy.poll() is not None)
+        wait_until(lambda: port_open(port) or proxy.poll() is not None)
         assert proxy.poll() is None, log.read_text()
         yield f"127.0.0.1:{port}", workers
     finally:
@@ -93,8 +83,6 @@ def front(tmp_path: Path) -> Iterator[tuple[str, list[LiveServer]]]:
 
 
 def _base_env() -> dict[str, str]:
-    import os
-
     return {k: v for k, v in os.environ.items() if not k.startswith("RISKSERVE_")}
 
 

@@ -32,6 +32,19 @@ def request(i: int) -> pb.ScoreRequest:
     return pb.ScoreRequest(request_id=str(i), features={f"f{j}": 0.2 * j for j in range(5)})
 
 
+def reload_server(models: Path, **settings: object) -> LiveServer:
+    """A live server on `models` serving credit-lite, scanning for versions every 0.1 s, with
+    ONNX Runtime's FP32 engine only; `settings` add to or replace these."""
+    defaults: dict[str, object] = dict(
+        default_model="credit-lite",
+        reload_interval_s=0.1,
+        budget_ms=3000,
+        onnx_variants=False,
+        tensorrt=False,
+    )
+    return LiveServer(models_dir=models, **{**defaults, **settings})
+
+
 @contextmanager
 def scoring_traffic(
     stub: pb_grpc.RiskScoringStub, message: pb.ScoreRequest
@@ -68,15 +81,7 @@ def test_new_version_replaces_the_old_under_load(tmp_path):
     models = tmp_path / "models"
     write_tabular_model(models, version="1", seed=0)
     staged = write_tabular_model(tmp_path / "staging", version="2", seed=1)
-    server = LiveServer(
-        models_dir=models,
-        default_model="credit-lite",
-        reload_interval_s=0.1,
-        reload_drain_s=2,
-        budget_ms=3000,
-        onnx_variants=False,
-        tensorrt=False,
-    )
+    server = reload_server(models, reload_drain_s=2)
     stop = threading.Event()
     versions: list[str] = []
     failures: list[grpc.StatusCode] = []
@@ -172,14 +177,10 @@ def test_version_replaced_in_place_is_served_after_one_scan_under_load(tmp_path)
     features = [0.2 * j for j in range(5)]
     old, new = direct_score(served_dir, features), direct_score(fixed, features)
     assert abs(old - new) > 1e-3
-    server = LiveServer(
-        models_dir=models,
-        default_model="credit-lite",
+    server = reload_server(
+        models,
         reload_interval_s=0,  # scans happen when the test runs one, as the timer would
         reload_drain_s=2,
-        budget_ms=3000,
-        onnx_variants=False,
-        tensorrt=False,
     )
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
@@ -214,15 +215,7 @@ def test_changed_files_that_do_not_load_are_refused_logged_and_counted(tmp_path,
     fixed = write_tabular_model(tmp_path / "fixed", version="1", seed=1)
     features = [0.2 * j for j in range(5)]
     old, new = direct_score(served_dir, features), direct_score(fixed, features)
-    server = LiveServer(
-        models_dir=models,
-        default_model="credit-lite",
-        reload_interval_s=0.1,
-        budget_ms=3000,
-        onnx_variants=False,
-        tensorrt=False,
-        metrics_port=0,
-    )
+    server = reload_server(models, metrics_port=0)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         watcher = server.server.watcher
@@ -266,15 +259,7 @@ def test_model_replaced_in_place_never_answers_from_its_old_variants(tmp_path, c
     old = {direct_score(served_dir, features, f) for f in ("model.onnx", *VARIANTS)}
     new = direct_score(staged, features)
     assert min(abs(score - new) for score in old) > 0.1
-    server = LiveServer(
-        models_dir=models,
-        default_model="credit-lite",
-        reload_interval_s=0.1,
-        reload_drain_s=2,
-        budget_ms=3000,
-        onnx_variants=True,
-        tensorrt=False,
-    )
+    server = reload_server(models, reload_drain_s=2, onnx_variants=True)
 
     def refusals() -> list[str]:
         return [
@@ -336,14 +321,7 @@ def test_new_version_with_a_manifest_value_that_cannot_work_is_refused(tmp_path,
         "features": {"f3": {"baseline": float("nan"), "code": "F3", "text": "f3 is high"}}
     }
     (staged / "manifest.json").write_text(json.dumps(manifest))
-    server = LiveServer(
-        models_dir=models,
-        default_model="credit-lite",
-        reload_interval_s=0.1,
-        budget_ms=3000,
-        onnx_variants=False,
-        tensorrt=False,
-    )
+    server = reload_server(models)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         watcher = server.server.watcher

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable
 
@@ -21,3 +22,9 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something accepts TCP connections on `host`:`port` now (a condition to wait on)."""
+    with socket.socket() as probe:
+        return probe.connect_ex((host, port)) == 0

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+import threading
 import urllib.request
 
 import grpc
@@ -129,11 +132,19 @@ def test_prometheus_endpoint_counts_requests(models):
     assert 'le="0.01"' in text  # buckets fit a 10 ms budget
 
 
-def test_stats_command_shows_live_percentiles(models):
-    import subprocess
-    import sys
-    import threading
+def run_stats(server: LiveServer, window_s: float) -> subprocess.CompletedProcess[str]:
+    """`riskserve stats` with no --url: it finds the metrics port in the server's own setting."""
+    return subprocess.run(
+        [sys.executable, "-m", "service", "stats", "--window-s", f"{window_s:g}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "RISKSERVE_METRICS_PORT": str(server.server.telemetry.metrics_port)},
+    )
 
+
+def test_stats_command_shows_live_percentiles(models):
     server = serve(models, {"base_s": 0.002}, metrics_port=0)
     with server, server.channel() as channel:
         stub = pb_grpc.RiskScoringStub(channel)
@@ -146,25 +157,7 @@ def test_stats_command_shows_live_percentiles(models):
         worker = threading.Thread(target=load)
         worker.start()
         try:
-            done = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "service",
-                    "stats",
-                    "--window-s",
-                    "1",
-                ],
-                capture_output=True,
-                text=True,
-                timeout=60,
-                check=False,
-                # No --url: the command finds the metrics port in the server's own setting.
-                env={
-                    **os.environ,
-                    "RISKSERVE_METRICS_PORT": str(server.server.telemetry.metrics_port),
-                },
-            )
+            done = run_stats(server, 1)
         finally:
             stop.set()
             worker.join()
@@ -173,21 +166,8 @@ def test_stats_command_shows_live_percentiles(models):
 
 
 def test_stats_command_on_an_idle_server_says_no_requests(models):
-    import subprocess
-    import sys
-
     with serve(models, {}, metrics_port=0) as server:
-        done = subprocess.run(
-            [sys.executable, "-m", "service", "stats", "--window-s", "0.2"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            env={
-                **os.environ,
-                "RISKSERVE_METRICS_PORT": str(server.server.telemetry.metrics_port),
-            },
-        )
+        done = run_stats(server, 0.2)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "window 0.2 s: no requests in the window"
     assert "nan" not in done.stdout
