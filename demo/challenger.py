@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from demo.cutoffs import thresholds
+from demo.cutoffs import add_training_arguments, thresholds
 from demo.generator import FEATURE_NAMES, FEATURE_RANGES, HISTORY_FIELDS, DemoData, generate
 from demo.generator import model_inputs as padded_inputs
 
@@ -126,13 +126,8 @@ def _manifest(review: float, decline: float, auc: float, probability_output: str
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-size", type=int, default=50_000)
-    parser.add_argument("--validation-size", type=int, default=40_000)
+    add_training_arguments(parser)
     parser.add_argument("--trees", type=int, default=200)
-    parser.add_argument("--review-rate", type=float, default=0.05)
-    parser.add_argument("--decline-precision", type=float, default=0.9)
     args = parser.parse_args(argv)
 
     import lightgbm

@@ -1,10 +1,24 @@
-"""Decision cut-offs chosen on validation scores, shared by the demo models' training scripts."""
+"""What the demo models' training scripts share: their common options, and the decision
+cut-offs chosen on validation scores."""
 
 from __future__ import annotations
 
+import argparse
+from pathlib import Path
+
 import numpy as np
 
-__all__ = ["thresholds"]
+__all__ = ["add_training_arguments", "thresholds"]
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The output folder, the generator's seed and sizes, and the cut-off rule's targets."""
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-size", type=int, default=50_000)
+    parser.add_argument("--validation-size", type=int, default=40_000)
+    parser.add_argument("--review-rate", type=float, default=0.05)
+    parser.add_argument("--decline-precision", type=float, default=0.9)
 
 
 def thresholds(scores: np.ndarray, labels: np.ndarray, review_rate: float, precision: float):

@@ -31,7 +31,7 @@ import onnx
 import torch
 from torch import nn
 
-from demo.cutoffs import thresholds
+from demo.cutoffs import add_training_arguments, thresholds
 from demo.generator import (
     FEATURE_NAMES,
     FEATURE_RANGES,
@@ -258,14 +258,9 @@ def _manifest(review: float, decline: float, auc: float) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--train-size", type=int, default=50_000)
-    parser.add_argument("--validation-size", type=int, default=40_000)
+    add_training_arguments(parser)
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--review-rate", type=float, default=0.05)
-    parser.add_argument("--decline-precision", type=float, default=0.9)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(args.threads)
