@@ -40,7 +40,7 @@ from service.shadow.experiment import stable_unit_interval
 from service.shadow.job import ShadowJob
 from service.shadow.priority import lower_priority, restrict_cpus
 
-__all__ = ["DROP_REASONS", "MIN_SAMPLED_SHARE", "ShadowRunner", "sampled"]
+__all__ = ["MIN_SAMPLED_SHARE", "ShadowRunner", "sampled"]
 
 # The least share of entities shadowed when the worker cannot keep up, by default
 # (RISKSERVE_SHADOW_MIN_SAMPLED_SHARE).
@@ -59,7 +59,6 @@ UNCONTENDED_WAIT = 0.25
 CONTENTION_WINDOW_S = 1.0
 _MIN_WINDOW_NS = 10_000_000
 DROP_LOG_INTERVAL_S = 10.0
-DROP_REASONS = ("queue full", "no worker", "not loaded", "unencodable")
 
 _log = logging.getLogger(__name__)
 
@@ -154,11 +153,12 @@ class ShadowRunner:
     @property
     def full(self) -> bool:
         """True when the next job would be dropped (jobs in flight at the bound, or no worker)."""
-        return self.in_flight >= self.max_queued_jobs or not self._accepting or self._closing
+        return bool(self.full_reason)
 
     @property
     def full_reason(self) -> str:
-        """Why the next job would be dropped (a `DROP_REASONS` entry); "" when it would not."""
+        """Why the next job would be dropped ("queue full" or "no worker"); "" when it would not.
+        `submit` adds "not loaded" and "unencodable"."""
         if not self._accepting or self._closing:
             return "no worker"
         return "queue full" if self.in_flight >= self.max_queued_jobs else ""

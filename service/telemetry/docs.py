@@ -11,6 +11,7 @@ attributes come from `metrics.ATTRIBUTES`. A test fails when the page is stale.
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -67,9 +68,9 @@ class _NotingMeter:
             return create
 
         def noting(name: str, *args: Any, **kwargs: Any) -> Any:
-            unit = kwargs.get("unit", args[-2] if len(args) >= 2 else "")
-            description = kwargs.get("description", "")
-            self.noted.append(Instrument(name, _KINDS[attribute], unit or "", description))
+            given = inspect.signature(create).bind(name, *args, **kwargs).arguments
+            unit, description = given.get("unit") or "", given.get("description") or ""
+            self.noted.append(Instrument(name, _KINDS[attribute], unit, description))
             return create(name, *args, **kwargs)
 
         return noting
