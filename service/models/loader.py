@@ -72,20 +72,9 @@ def default_engines(
             score=score,
         )
         engines: list[Engine] = []
-        ml_operators = (
-            onnx_ml_operators(onnx.load(str(path / "model.onnx"), load_external_data=False))
-            if tensorrt
-            else ()
-        )
-        if ml_operators:
-            log.info(
-                "%s/%s: ONNX Runtime serves it: TensorRT has no layers for %s (%s)",
-                manifest.name,
-                manifest.version,
-                ", ".join(ml_operators),
-                ML_DOMAIN,
-            )
-        elif tensorrt and len(accepted) > 1:
+        # The graph is read again only where TensorRT plans would be loaded: TensorRT has no
+        # layers for classic-ML operators (the loader logs those once, from its own read).
+        if tensorrt and len(accepted) > 1 and not _ml_operators(path):
             try:
                 engines += load_engines(path, accepted)
             except EngineUnavailable as exc:
@@ -156,10 +145,21 @@ class VersionLoader:
                 f"{path}: manifest names {manifest.name}/{manifest.version}, "
                 f"folder is {path.parent.name}/{path.name}"
             )
+        graph = onnx.load(str(path / "model.onnx"), load_external_data=False)
         try:
-            score = resolve_score_output(path / "model.onnx", manifest)
+            score = resolve_score_output(graph, manifest)
         except OutputLayoutError as exc:
             raise Unavailable(f"{path}: {exc}") from exc
+        ml_operators = onnx_ml_operators(graph)
+        del graph  # the engines hold their own copies
+        if ml_operators:
+            log.info(
+                "%s/%s: ONNX Runtime serves it: TensorRT has no layers for %s (%s)",
+                manifest.name,
+                manifest.version,
+                ", ".join(ml_operators),
+                ML_DOMAIN,
+            )
         engines, fallback = self._engine_factory(path, manifest, score)
         for engine in {id(e): e for e in (*engines, fallback)}.values():
             _check_output(path, manifest, score, engine)
@@ -221,7 +221,13 @@ class VersionLoader:
 
 
 _TYPICAL_HISTORY = 32
+
+
 # Feature rows of the broadcast probe, and how far apart its two forms' scores may be.
+def _ml_operators(path: Path) -> tuple[str, ...]:
+    return onnx_ml_operators(onnx.load(str(path / "model.onnx"), load_external_data=False))
+
+
 _PROBE_ROWS = 3
 _PROBE_TOLERANCE = 1e-3
 
