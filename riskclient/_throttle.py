@@ -11,9 +11,11 @@ probability
     max(0, (requests - k * accepts) / (requests + 1))
 
 so that about `k` times what the server accepts still reaches it, enough to see at once when it
-recovers. A call refused here fails at once with RESOURCE_EXHAUSTED and a message saying so;
-it counts as a request, so a client that keeps asking keeps being throttled until the server
-accepts again. Nothing is retried.
+recovers. Below `min_requests` in the window it never throttles: a handful of failures (the
+calls in flight when a server restarts) says nothing about overload, and throttling on them
+would refuse the first calls to the server that comes back. A call refused here fails at once
+with RESOURCE_EXHAUSTED and a message saying so; it counts as a request, so a client that keeps
+asking keeps being throttled until the server accepts again. Nothing is retried.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class AdaptiveThrottle:
         self,
         k: float = 2.0,
         window_s: float = 120.0,
+        min_requests: int = 20,
         *,
         clock: Callable[[], float] = time.monotonic,
         draw: Callable[[], float] = random.random,
@@ -53,6 +56,7 @@ class AdaptiveThrottle:
             raise ValueError("k must be at least 1 and window_s positive")
         self.k = k
         self.window_s = window_s
+        self.min_requests = min_requests
         self._clock = clock
         self._draw = draw
         self._lock = threading.Lock()
@@ -70,7 +74,11 @@ class AdaptiveThrottle:
             return self._requests, self._accepts
 
     def rejection_probability(self) -> float:
-        requests, accepts = self.counts()
+        return self._probability(*self.counts())
+
+    def _probability(self, requests: int, accepts: int) -> float:
+        if requests < self.min_requests:
+            return 0.0
         return max(0.0, (requests - self.k * accepts) / (requests + 1))
 
     def allow(self) -> bool:
@@ -78,7 +86,7 @@ class AdaptiveThrottle:
         with self._lock:
             now = int(self._clock())
             self._expire(now)
-            p = max(0.0, (self._requests - self.k * self._accepts) / (self._requests + 1))
+            p = self._probability(self._requests, self._accepts)
             if p > 0 and self._draw() < p:
                 self._bucket(now)[1] += 1
                 self._requests += 1

@@ -44,6 +44,16 @@ def test_calls_pass_while_the_server_accepts_and_are_refused_as_it_refuses():
     assert "the server accepted 51 of the last 151 calls" in throttle.refusal()
 
 
+def test_a_few_failures_are_not_an_overload():
+    throttle = AdaptiveThrottle(clock=Clock(), draw=lambda: 0.0)
+    for _ in range(throttle.min_requests - 1):  # the calls in flight when a server restarted
+        assert throttle.allow()
+        throttle.record(grpc.StatusCode.UNAVAILABLE)
+    assert throttle.rejection_probability() == 0 and throttle.allow()
+    throttle.record(grpc.StatusCode.UNAVAILABLE)
+    assert throttle.rejection_probability() > 0 and not throttle.allow()
+
+
 def test_calls_in_flight_are_not_counted_until_they_end():
     throttle = AdaptiveThrottle(clock=Clock(), draw=lambda: 0.0)
     assert all(throttle.allow() for _ in range(100))  # a burst on a healthy server
