@@ -60,9 +60,21 @@ def _settings(**overrides: Any) -> Settings:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from service.server import serve, serve_processes
+    from service.front import find_haproxy, serve_with_front
 
     settings = _settings(host=args.host, port=args.port, models_dir=args.models_dir)
+    haproxy = find_haproxy() if settings.front is not None else None
+    if haproxy is not None:
+        return serve_with_front(settings, haproxy)
+    if settings.front == "haproxy":
+        raise CommandError("RISKSERVE_FRONT=haproxy, but no haproxy executable was found")
+    if settings.front == "auto":
+        logging.getLogger(__name__).warning(
+            "no haproxy found: serving without the front, so calls beyond capacity wait in "
+            "gRPC's core until their deadlines pass (docs/reliability.md)"
+        )
+    from service.server import serve, serve_processes  # the front's own process needs none
+
     if settings.processes > 1:
         return serve_processes(settings)
     asyncio.run(serve(settings))

@@ -88,8 +88,23 @@ class Settings(BaseSettings):
     processes: int = Field(
         1,
         ge=1,
-        description="Server processes sharing the port (SO_REUSEPORT); needs a fixed port. "
-        "'auto': one per CPU core.",
+        description="Server processes: behind the front, each on a socket of its own; without "
+        "it, sharing the port (SO_REUSEPORT; needs a fixed port). 'auto': one per CPU core.",
+    )
+    front: Literal["haproxy", "auto"] | None = Field(
+        None,
+        description="A front before the server processes: HAProxy binds host:port, holds each "
+        "process to a few calls at a time, balances calls (not connections) over them and "
+        "answers what waited past a quarter of the budget RESOURCE_EXHAUSTED itself; 'auto': "
+        "HAProxy where it is installed; none: the processes bind the port themselves.",
+    )
+    front_metrics_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="The front's Prometheus endpoint (HAProxy's: its refusals, queue and calls "
+        "per process); 0 = none; unset: metrics_port + processes (none where metrics_port is "
+        "none or 0).",
     )
     tensorrt: bool = Field(True, description="Load validated TensorRT plans where TensorRT runs.")
     onnx_variants: bool = Field(
@@ -275,7 +290,23 @@ class Settings(BaseSettings):
     def _fixed_port_for_processes(self) -> Settings:
         if self.processes > 1 and self.port == 0:
             raise ValueError("processes > 1 share one port: set a fixed port, not 0")
+        if self.front is not None and self.port == 0:
+            raise ValueError("the front binds a fixed port: set one, not 0")
+        if self.front is not None and self.auth_client_names:
+            raise ValueError(
+                "auth_client_names needs the server to see the client certificate, which the "
+                "front terminates: unset it, or set front to none"
+            )
         return self
+
+    @property
+    def front_metrics_port_resolved(self) -> int | None:
+        """Where the front's metrics are served: the setting, else after the processes'."""
+        if self.front_metrics_port is not None:
+            return self.front_metrics_port or None
+        if not self.metrics_port:  # none, or 0 (a free port each)
+            return None
+        return self.metrics_port + self.processes
 
     @property
     def trace_slow_threshold_ms(self) -> float:

@@ -1,34 +1,80 @@
-"""The front: an HAProxy configuration, from the settings, that sheds calls before Python.
+"""The front: HAProxy before the server processes, configured from the settings.
 
 A gRPC server in Python pays for a call it refuses about what it pays for one it answers, and
 calls beyond what it can finish wait in gRPC's core, unseen, until their callers give up. A
 front in C holds each worker to a few calls at a time (`maxconn`), keeps the rest in its queue
-for at most a third of the budget, and answers the ones that waited longer itself, as gRPC
+for at most a quarter of the budget, and answers the ones that waited longer itself, as gRPC
 expects: HTTP 200 with `grpc-status: 8` (RESOURCE_EXHAUSTED) and a message, in one HEADERS
 frame. In HTTP/2 mode it balances each call, not each connection, over the workers, so one
 client connection's calls reach all of them.
 
+`riskserve serve` with `RISKSERVE_FRONT=haproxy` (or `auto`, where HAProxy is installed) runs
+it all (`serve_with_front`): `RISKSERVE_PROCESSES` workers, each on a Unix socket of its own in
+a private folder, and HAProxy on `RISKSERVE_HOST:RISKSERVE_PORT` in front of them, started once
+every worker listens. `riskserve front-config` writes the same configuration for workers run
+some other way:
+
     riskserve front-config --out /etc/riskserve-front --workers 127.0.0.1:50052,127.0.0.1:50053
     haproxy -f /etc/riskserve-front/haproxy.cfg
 
-The front binds `RISKSERVE_HOST:RISKSERVE_PORT`; the workers serve on ports of their own.
+Three backends share the workers. Scoring calls go to `calls`, the only one with the per-worker
+limit and the queue. Streams go to `streams`: a stream holds its call for as long as it lives,
+so under the limit a few would starve every unary caller; the worker bounds a stream's messages
+itself. Health and readiness calls go to `control`, never queued behind scoring, so a probe
+sees SERVING while the front sheds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
 import math
+import multiprocessing
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from service.config import Settings
 
-__all__ = ["BUSY_MESSAGE", "DEFAULT_WORKER_CALLS", "busy_response", "haproxy_config", "write"]
+__all__ = [
+    "BUSY_MESSAGE",
+    "DEFAULT_WORKER_CALLS",
+    "busy_response",
+    "find_haproxy",
+    "haproxy_config",
+    "serve_with_front",
+    "write",
+]
+
+log = logging.getLogger(__name__)
 
 # Calls one worker takes at a time when max_requests_in_progress leaves it to the server.
 DEFAULT_WORKER_CALLS = 8
 BUSY_MESSAGE = "riskserve front: no worker free within the queue time; retry later"
 # Long-lived calls (streams) stay open: the front must not time them out.
 _STREAM_TIMEOUT = "1h"
+_STREAM_PATHS = (
+    "/riskscoring.v1.RiskScoring/ScoreStream",
+    "/inference.GRPCInferenceService/ModelStreamInfer",
+)
+_CONTROL_PATHS = (
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+    "/inference.GRPCInferenceService/ModelReady",
+)
+_CONTROL_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# Most client connections the front holds; each takes two descriptors (client, worker).
+_MAX_CONNECTIONS = 4096
 
 
 def busy_response(message: str = BUSY_MESSAGE) -> bytes:
@@ -44,28 +90,87 @@ def busy_response(message: str = BUSY_MESSAGE) -> bytes:
 
 
 def queue_timeout_ms(settings: Settings) -> int:
-    """How long a call may wait in the front for a free worker: a third of the budget."""
-    return max(1, math.floor(settings.budget_ms / 3))
+    """How long a call may wait in the front for a free worker: a quarter of the budget, so
+    a refusal reaches its caller within 3 ms of a 10 ms budget (HAProxy adds about 0.3 ms)."""
+    return max(1, math.floor(settings.budget_ms / 4))
 
 
-def haproxy_config(settings: Settings, workers: Sequence[str], busy_file: Path) -> str:
-    """HAProxy's configuration for a front on the settings' address over `workers`."""
+def find_haproxy() -> str | None:
+    """HAProxy's executable: on PATH, or where distributions install it (/usr/sbin)."""
+    return shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
+
+
+def _max_connections() -> int:
+    """Client connections the front may hold: at most 4,096, and within the descriptor limit
+    HAProxy can raise itself to (it refuses to start with a maxconn beyond it)."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        return _MAX_CONNECTIONS
+    return max(64, min(_MAX_CONNECTIONS, (hard - 64) // 2))
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+@dataclass(frozen=True)
+class FrontTLS:
+    """TLS the front terminates: one PEM with the certificate chain and key, and the CA that
+    client certificates must chain to, where mutual TLS is required."""
+
+    certificate_and_key: Path
+    client_ca: Path | None = None
+
+    def bind_options(self) -> str:
+        options = f" ssl crt {self.certificate_and_key} alpn h2"
+        if self.client_ca is not None:
+            options += f" ca-file {self.client_ca} verify required"
+        return options
+
+
+def haproxy_config(
+    settings: Settings,
+    workers: Sequence[str],
+    busy_file: Path,
+    *,
+    metrics_port: int | None = None,
+    tls: FrontTLS | None = None,
+) -> str:
+    """HAProxy's configuration for a front on the settings' address over `workers` (host:port,
+    or a Unix socket's absolute path); `metrics_port`: HAProxy's Prometheus endpoint."""
     if not workers:
         raise ValueError("the front needs at least one worker address")
     calls = settings.max_requests_in_progress or DEFAULT_WORKER_CALLS
-    servers = "\n".join(
+    addresses = [f"unix@{w}" if w.startswith("/") else w for w in workers]
+    limited = "\n".join(
         f"    server worker{i} {address} proto h2 maxconn {calls} check inter 1s"
-        for i, address in enumerate(workers, 1)
+        for i, address in enumerate(addresses, 1)
     )
-    host = settings.host if ":" not in settings.host else f"[{settings.host}]"
-    return f"""# Written by `riskserve front-config` from the RISKSERVE_* settings; do not edit.
+    tracking = "\n".join(
+        f"    server worker{i} {address} proto h2 track calls/worker{i}"
+        for i, address in enumerate(addresses, 1)
+    )
+    bind = f"{_bracketed(settings.host)}:{settings.port}"
+    bind_options = tls.bind_options() if tls is not None else " proto h2"
+    metrics = ""
+    if metrics_port:
+        metrics = f"""
+frontend metrics
+    bind {_bracketed(settings.metrics_host)}:{metrics_port}
+    no log
+    http-request use-service prometheus-exporter if {{ path /metrics }}
+"""
+    return f"""# Written by riskserve from the RISKSERVE_* settings; do not edit.
 global
-    maxconn 4096
+    maxconn {_max_connections()}
+    hard-stop-after {math.ceil(settings.shutdown_grace_s) + 2}s
     log stderr format raw local0 err
 
 defaults
     mode http
     log global
+    option abortonclose
+    http-reuse always
     timeout connect 1s
     timeout client {_STREAM_TIMEOUT}
     timeout server {_STREAM_TIMEOUT}
@@ -73,20 +178,226 @@ defaults
     errorfile 503 {busy_file}
 
 frontend grpc
-    bind {host}:{settings.port} proto h2
-    default_backend workers
+    bind {bind}{bind_options}
+    use_backend streams if {{ path {" ".join(_STREAM_PATHS)} }}
+    use_backend control if {{ path_beg {" ".join(_CONTROL_PREFIXES)} }}
+    use_backend control if {{ path {" ".join(_CONTROL_PATHS)} }}
+    default_backend calls
 
-backend workers
+# Scoring calls: at most {calls} a worker, the rest queued for {queue_timeout_ms(settings)} ms.
+backend calls
     balance leastconn
-{servers}
-"""
+{limited}
+
+backend streams
+    balance leastconn
+{tracking}
+
+backend control
+    balance roundrobin
+{tracking}
+{metrics}"""
 
 
-def write(directory: Path, settings: Settings, workers: Sequence[str]) -> Path:
+def write(
+    directory: Path,
+    settings: Settings,
+    workers: Sequence[str],
+    *,
+    metrics_port: int | None = None,
+    tls: FrontTLS | None = None,
+) -> Path:
     """Write haproxy.cfg and the answer to a shed call into `directory`; the config's path."""
     directory.mkdir(parents=True, exist_ok=True)
     busy = directory / "busy.http"
     busy.write_bytes(busy_response())
     config = directory / "haproxy.cfg"
-    config.write_text(haproxy_config(settings, workers, busy.resolve()))
+    config.write_text(
+        haproxy_config(settings, workers, busy.resolve(), metrics_port=metrics_port, tls=tls)
+    )
     return config
+
+
+def _front_tls(settings: Settings, directory: Path) -> FrontTLS | None:
+    """The settings' certificate and key as the one PEM HAProxy reads, private to the user."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    pem = directory / "front.pem"
+    descriptor = os.open(pem, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "wb") as out:
+        chain = settings.tls_cert_file.read_bytes()
+        out.write(chain if chain.endswith(b"\n") else chain + b"\n")
+        out.write(settings.tls_key_file.read_bytes())
+    return FrontTLS(pem, settings.tls_client_ca_file)
+
+
+def _end_with_parent() -> None:
+    """Have the kernel send this process SIGTERM when the process that started it dies, so a
+    front killed outright leaves no worker or HAProxy holding the sockets (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _run_worker(settings: Settings, address: str) -> None:
+    import asyncio
+
+    from service.server import serve
+
+    # The front decides when workers stop: a Ctrl-C in a terminal reaches it alone.
+    os.setpgid(0, 0)
+    _end_with_parent()
+    asyncio.run(serve(settings, address=address))
+
+
+def _accepts(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def _port_open(host: str, port: int) -> bool:
+    reach = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    try:
+        with socket.create_connection((reach.strip("[]"), port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+class _Front:
+    """The workers and HAProxy of one `riskserve serve`, started and stopped in order."""
+
+    def __init__(self, settings: Settings, haproxy: str) -> None:
+        self.settings = settings
+        self.haproxy = haproxy
+        self.directory = Path(tempfile.mkdtemp(prefix="riskserve-front-"))
+        self.sockets = [self.directory / f"worker{i}.sock" for i in range(settings.processes)]
+        self.workers: list[multiprocessing.process.BaseProcess] = []
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.stopping = threading.Event()
+
+    def start_workers(self) -> None:
+        context = multiprocessing.get_context("fork")  # before any gRPC state exists here
+        for index, path in enumerate(self.sockets):
+            metrics_port = self.settings.metrics_port
+            if metrics_port:
+                metrics_port += index
+            worker_settings = self.settings.model_copy(update={"metrics_port": metrics_port})
+            worker = context.Process(
+                target=_run_worker,
+                args=(worker_settings, f"unix:{path}"),
+                name=f"riskserve-{index}",
+            )
+            worker.start()
+            self.workers.append(worker)
+
+    def wait_for_workers(self) -> bool:
+        """Until every worker accepts calls; False when one ended first, or on a signal."""
+        waiting = list(self.sockets)
+        while waiting:
+            if self.stopping.is_set() or self.ended_worker() is not None:
+                return False
+            waiting = [path for path in waiting if not _accepts(path)]
+            if waiting:
+                time.sleep(0.05)
+        return True
+
+    def start_proxy(self) -> bool:
+        """HAProxy on the service's port; False when it exits before the port opens."""
+        settings = self.settings
+        config = write(
+            self.directory,
+            settings,
+            [str(path) for path in self.sockets],
+            metrics_port=settings.front_metrics_port_resolved,
+            tls=_front_tls(settings, self.directory),
+        )
+        self.proxy = subprocess.Popen(
+            [self.haproxy, "-db", "-f", str(config)],
+            process_group=0,
+            preexec_fn=_end_with_parent,
+        )
+        while not _port_open(settings.host, settings.port):
+            if self.proxy.poll() is not None:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def ended_worker(self) -> multiprocessing.process.BaseProcess | None:
+        return next((w for w in self.workers if not w.is_alive()), None)
+
+    def forward(self, signum: int) -> None:
+        for worker in self.workers:
+            if worker.pid is not None and worker.is_alive():
+                os.kill(worker.pid, signum)
+
+    def stop(self) -> None:
+        """Stop taking calls, let the queued and the running ones finish, then end.
+
+        HAProxy's soft stop (SIGUSR1) closes the port and tells HTTP/2 clients to go (GOAWAY)
+        while the calls it holds go on; once its queue has had time to empty, the workers
+        drain as a lone server does (NOT_SERVING, no new calls, in-flight calls answered
+        within the grace, streams ended).
+        """
+        grace_s = self.settings.shutdown_grace_s
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.send_signal(signal.SIGUSR1)
+            time.sleep(2 * queue_timeout_ms(self.settings) / 1e3)
+        self.forward(signal.SIGTERM)
+        for worker in self.workers:
+            worker.join(grace_s + 5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
+        if self.proxy is not None:
+            try:
+                self.proxy.wait(grace_s + 5)
+            except subprocess.TimeoutExpired:
+                self.proxy.kill()
+                self.proxy.wait()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def supervise(self) -> int:
+        """Until a signal asks to stop (0) or a worker or HAProxy ends by itself (1)."""
+        assert self.proxy is not None
+        while not self.stopping.wait(0.2):
+            ended = self.ended_worker()
+            if ended is not None:
+                log.error("%s ended (exit status %s): stopping", ended.name, ended.exitcode)
+                return 1
+            if self.proxy.poll() is not None:
+                log.error("haproxy ended (exit status %s): stopping", self.proxy.returncode)
+                return 1
+        return 0
+
+
+def serve_with_front(settings: Settings, haproxy: str) -> int:
+    """Serve `settings.processes` workers behind HAProxy until SIGTERM or SIGINT, then drain;
+    SIGHUP (reload models) and SIGUSR1 (roll experiment logs) go on to every worker."""
+    front = _Front(settings, haproxy)
+    signal.signal(signal.SIGTERM, lambda *_: front.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: front.stopping.set())
+    signal.signal(signal.SIGHUP, lambda signum, _: front.forward(signum))
+    signal.signal(signal.SIGUSR1, lambda signum, _: front.forward(signum))
+    status = 1
+    try:
+        front.start_workers()
+        if not front.wait_for_workers():
+            ended = front.ended_worker()
+            if ended is None:
+                return 0  # asked to stop while the models loaded
+            log.error("%s ended while loading (exit status %s)", ended.name, ended.exitcode)
+            return 1
+        if not front.start_proxy():
+            log.error("haproxy did not start (its message is above)")
+            return 1
+        log.info("front: haproxy before %d worker process(es)", len(front.workers))
+        print(f"riskserve listening on {settings.host}:{settings.port}", flush=True)
+        status = front.supervise()
+        return status
+    finally:
+        front.stop()

@@ -146,12 +146,14 @@ def _with_watchdog(factory: EngineFactory, timeout_s: float) -> EngineFactory:
 
 
 async def build_server(
-    settings: Settings, engine_factory: EngineFactory | None = None
+    settings: Settings, engine_factory: EngineFactory | None = None, address: str | None = None
 ) -> RiskServer:
     """Load the models, wire the servicers and start listening.
 
     `engine_factory` builds each model version's engines; the default offers validated
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
+    `address`, where given, is where the server listens in plaintext instead of the settings'
+    host and port: a worker's socket behind the front, which holds the TLS.
     """
     telemetry = setup_telemetry(settings)
     workers = settings.engine_workers or default_engine_workers()
@@ -245,12 +247,13 @@ async def build_server(
     if settings.reflection:
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
 
-    address = f"{settings.host}:{settings.port}"
-    certificates = _certificates(settings)
+    certificates = None if address is not None else _certificates(settings)
     if certificates is None:
-        port = server.add_insecure_port(address)
+        port = server.add_insecure_port(address or f"{settings.host}:{settings.port}")
     else:
-        port = server.add_secure_port(address, certificates.credentials())
+        port = server.add_secure_port(
+            f"{settings.host}:{settings.port}", certificates.credentials()
+        )
     await server.start()
     watcher = ModelWatcher(
         registry,
@@ -260,7 +263,7 @@ async def build_server(
         telemetry=telemetry,
     )
     watcher.start()
-    log.info("serving %s on %s:%d", registry.names(), settings.host, port)
+    log.info("serving %s on %s", registry.names(), address or f"{settings.host}:{port}")
     return RiskServer(
         server,
         port,
@@ -316,13 +319,17 @@ def _run_child(settings: Settings) -> None:
     asyncio.run(serve(settings))
 
 
-async def serve(settings: Settings, ready: asyncio.Event | None = None) -> None:
-    """Run until SIGTERM or SIGINT, then drain gracefully."""
+async def serve(
+    settings: Settings, ready: asyncio.Event | None = None, address: str | None = None
+) -> None:
+    """Run until SIGTERM or SIGINT, then drain gracefully. `address`: a worker's own socket
+    behind the front (build_server), which prints the service's address itself."""
     if settings.switch_interval_us:
         sys.setswitchinterval(settings.switch_interval_us / 1e6)
         log.info("thread switch interval %.0f µs", sys.getswitchinterval() * 1e6)
-    running = await build_server(settings)
-    print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
+    running = await build_server(settings, address=address)
+    if address is None:
+        print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from subprocess import Popen
 
 import grpc
 import pytest
+from certs import Authority
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from liveserver import LiveServer
+from liveserver import LiveServer, server_process
 from modelkit import sequence_request, write_sequence_model
 from scrape import scraped_total
 from waiting import port_open, wait_until
@@ -23,7 +28,7 @@ from waiting import port_open, wait_until
 from bench.servers import free_port
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
-from service.front import BUSY_MESSAGE, haproxy_config, queue_timeout_ms
+from service.front import BUSY_MESSAGE, FrontTLS, haproxy_config, queue_timeout_ms, write
 
 HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
 needs_haproxy = pytest.mark.skipif(
@@ -32,14 +37,14 @@ needs_haproxy = pytest.mark.skipif(
 )
 
 
-def test_the_config_holds_each_worker_to_its_calls_and_sheds_after_a_third_of_the_budget():
+def test_the_config_holds_each_worker_to_its_calls_and_sheds_after_a_quarter_of_the_budget():
     settings = Settings(port=6051, budget_ms=10, max_requests_in_progress=4)
     text = haproxy_config(settings, ["127.0.0.1:7001", "127.0.0.1:7002"], Path("/x/busy.http"))
     assert "bind 127.0.0.1:6051 proto h2" in text
     assert "server worker1 127.0.0.1:7001 proto h2 maxconn 4" in text
     assert "server worker2 127.0.0.1:7002 proto h2 maxconn 4" in text
     assert (
-        f"timeout queue {queue_timeout_ms(settings)}ms" in text and queue_timeout_ms(settings) == 3
+        f"timeout queue {queue_timeout_ms(settings)}ms" in text and queue_timeout_ms(settings) == 2
     )
     assert "errorfile 503 /x/busy.http" in text and "balance leastconn" in text
     with pytest.raises(ValueError):
@@ -120,3 +125,172 @@ def test_one_connection_s_calls_reach_both_workers_and_the_excess_is_shed(front)
     assert outcomes.count("shed") > 0 and outcomes.count("OK") > 0
     answered = sum(_answered(w) for w in workers) - 200
     assert answered == outcomes.count("OK")  # a shed call never reached a worker
+
+
+def test_the_front_needs_a_fixed_port_and_leaves_client_names_to_a_lone_server():
+    with pytest.raises(ValueError, match="fixed port"):
+        Settings(front="haproxy", port=0)
+    with pytest.raises(ValueError, match="auth_client_names"):
+        Settings(front="auto", port=6051, auth_client_names=("decisions",))
+    settings = Settings(front="haproxy", port=6051, metrics_port=9464, processes=2)
+    assert settings.front_metrics_port_resolved == 9466  # after the workers' 9464 and 9465
+    assert (
+        Settings(front="haproxy", port=6051, metrics_port=None).front_metrics_port_resolved is None
+    )
+
+
+@needs_haproxy
+def test_haproxy_accepts_the_written_config_with_tls_and_metrics(tmp_path: Path):
+    authority = Authority()
+    pair = authority.issue("127.0.0.1", server=True)
+    (tmp_path / "front.pem").write_bytes(pair.cert_pem + pair.key_pem)
+    (tmp_path / "ca.pem").write_bytes(authority.pem)
+    tls = FrontTLS(tmp_path / "front.pem", tmp_path / "ca.pem")
+    config = write(
+        tmp_path, Settings(port=free_port()), ["/run/w0.sock", "127.0.0.1:7002"],
+        metrics_port=free_port(), tls=tls,
+    )  # fmt: skip
+    checked = subprocess.run([str(HAPROXY), "-c", "-f", str(config)], capture_output=True)
+    assert checked.returncode == 0, checked.stderr.decode()
+    text = config.read_text()
+    assert "server worker1 unix@/run/w0.sock proto h2 maxconn 8" in text
+    assert f"ssl crt {tmp_path / 'front.pem'} alpn h2 ca-file {tmp_path / 'ca.pem'}" in text
+
+
+@contextmanager
+def _served(models: Path, output: list[str], **env: str) -> Iterator[tuple[Popen, str, int]]:
+    """`riskserve serve` with the front over two workers, each taking one scoring call;
+    yields the process, its target and the front's metrics port."""
+    metrics_port = free_port()
+    with server_process(
+        models,
+        output=output,
+        RISKSERVE_FRONT="haproxy",
+        RISKSERVE_PROCESSES="2",
+        RISKSERVE_PORT=str(free_port()),
+        RISKSERVE_METRICS_PORT="none",
+        RISKSERVE_FRONT_METRICS_PORT=str(metrics_port),
+        RISKSERVE_MAX_REQUESTS_IN_PROGRESS="1",
+        RISKSERVE_DEFAULT_MODEL="seq-mini",
+        **env,
+    ) as (proc, target):
+        yield proc, target, metrics_port
+
+
+def _front_total(port: int, name: str, **labels: str) -> float:
+    return scraped_total(f"http://127.0.0.1:{port}/metrics", name, **labels)
+
+
+@needs_haproxy
+def test_serve_spreads_one_connection_over_its_workers_and_sheds_with_health_serving(tmp_path):
+    models = tmp_path / "models"
+    write_sequence_model(models)
+    with _served(models, []) as (_, target, metrics_port), grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        for i in range(200):
+            assert stub.Score(sequence_request(i, 50), timeout=5).request_id == f"q{i}"
+        shares = [
+            _front_total(metrics_port, "haproxy_server_http_responses_total",
+                         proxy="calls", server=f"worker{w}", code="2xx")
+            for w in (1, 2)
+        ]  # fmt: skip
+        assert sum(shares) == 200 and all(80 <= s <= 120 for s in shares), shares
+
+        outcomes: list[str] = []
+        health_seen: list[int] = []
+        done = threading.Event()
+
+        def call(i: int) -> None:
+            try:
+                stub.Score(sequence_request(i, 50), timeout=5)
+                outcomes.append("OK")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+                assert exc.details() == BUSY_MESSAGE
+                outcomes.append("shed")
+
+        def probe() -> None:  # the health service, asked while the front sheds
+            check = health_pb2_grpc.HealthStub(channel).Check
+            while not done.is_set():
+                health_seen.append(check(health_pb2.HealthCheckRequest(), timeout=5).status)
+
+        prober = threading.Thread(target=probe)
+        with ThreadPoolExecutor(48) as pool:
+            calls = pool.map(call, range(1000))
+            prober.start()
+            streamed = list(stub.ScoreStream(iter(sequence_request(i, 5) for i in range(20))))
+            list(calls)
+        done.set()
+        prober.join()
+        shed = _front_total(
+            metrics_port, "haproxy_backend_http_responses_total", proxy="calls", code="5xx"
+        )
+    assert health_seen and set(health_seen) == {health_pb2.HealthCheckResponse.SERVING}
+    assert sorted(r.request_id for r in streamed) == sorted(f"q{i}" for i in range(20))
+    assert outcomes.count("shed") > 0 and outcomes.count("OK") > 0
+    assert shed == outcomes.count("shed")  # each refusal counted where it was made
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _socket_folder(output: list[str]) -> Path:
+    line = next(line for line in output if " on unix:" in line)
+    return Path(line.split(" on unix:")[1].strip()).parent
+
+
+@needs_haproxy
+def test_sigterm_drains_and_ends_the_workers_the_front_and_their_sockets(tmp_path):
+    models = tmp_path / "models"
+    write_sequence_model(models)
+    output: list[str] = []
+    with _served(models, output) as (proc, target, metrics_port):
+        children = _children(proc.pid)
+        assert len(children) == 3  # two workers and HAProxy
+        folder = _socket_folder(output)
+        assert folder.is_dir()
+        with grpc.insecure_channel(target) as channel:
+            assert pb_grpc.RiskScoringStub(channel).Score(sequence_request(1, 5), timeout=5)
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+    assert not folder.exists() and not port_open(metrics_port)
+    assert not [c for c in children if Path(f"/proc/{c}").exists()]
+
+
+@needs_haproxy
+def test_a_worker_that_dies_stops_the_service_with_a_failure(tmp_path):
+    models = tmp_path / "models"
+    write_sequence_model(models)
+    output: list[str] = []
+    with _served(models, output) as (proc, _, _port):
+        workers = [
+            c
+            for c in _children(proc.pid)
+            if "haproxy" not in Path(f"/proc/{c}/cmdline").read_text()
+        ]
+        os.kill(workers[0], signal.SIGKILL)
+        assert proc.wait(timeout=30) == 1
+    assert any("ended (exit status -9): stopping" in line for line in output)
+
+
+@needs_haproxy
+def test_the_front_terminates_the_settings_tls(tmp_path):
+    models = tmp_path / "models"
+    write_sequence_model(models)
+    authority = Authority()
+    pair = authority.issue("127.0.0.1", server=True)
+    (tmp_path / "tls.crt").write_bytes(pair.cert_pem)
+    (tmp_path / "tls.key").write_bytes(pair.key_pem)
+    tls = {
+        "RISKSERVE_TLS_CERT_FILE": str(tmp_path / "tls.crt"),
+        "RISKSERVE_TLS_KEY_FILE": str(tmp_path / "tls.key"),
+    }
+    with _served(models, [], **tls) as (_, target, _port):
+        credentials = grpc.ssl_channel_credentials(authority.pem)
+        with grpc.secure_channel(target, credentials) as channel:
+            reply = pb_grpc.RiskScoringStub(channel).Score(sequence_request(3, 5), timeout=5)
+            assert reply.request_id == "q3"
+        with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as refused:
+            pb_grpc.RiskScoringStub(channel).Score(sequence_request(3, 5), timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
