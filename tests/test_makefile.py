@@ -46,8 +46,16 @@ def test_serve_host_and_port_on_the_command_line_override():
 def test_loadtest_targets_the_exported_port_and_its_server_has_no_metrics_port():
     command = dry_run("loadtest", RISKSERVE_PORT="6053", RISKSERVE_METRICS_PORT="6464")
     assert "--target 127.0.0.1:6053" in command
-    assert "env RISKSERVE_METRICS_PORT=none .venv/bin/riskserve serve --port 6053" in command
+    assert (
+        "env RISKSERVE_METRICS_PORT=none RISKSERVE_FRONT=auto .venv/bin/riskserve serve "
+        "--port 6053" in command
+    )
     assert '--server ""' in dry_run("loadtest", "LOADTEST_SERVER=")
+    assert "RISKSERVE_FRONT=none" in dry_run("loadtest", RISKSERVE_FRONT="none")
+
+
+def test_serve_runs_the_front_where_haproxy_is_and_the_setting_leaves_it_to_make():
+    assert "RISKSERVE_FRONT=${RISKSERVE_FRONT:-auto}" in dry_run("serve")
 
 
 def test_the_server_installs_without_the_report_extra_and_the_tests_with_it():

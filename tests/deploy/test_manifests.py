@@ -198,6 +198,14 @@ def test_container_ports_match_the_configmap_and_are_unique_in_the_pod(
         declared = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert declared["grpc"] == int(_setting(rendered, container, "RISKSERVE_PORT"))
         assert declared["metrics"] == int(_setting(rendered, container, "RISKSERVE_METRICS_PORT"))
+        # Behind the front, worker i serves metrics on the next ports, the front on its own.
+        assert _setting(rendered, container, "RISKSERVE_FRONT") == "haproxy"
+        workers = int(_setting(rendered, container, "RISKSERVE_PROCESSES"))
+        first = declared["metrics"]
+        assert set(range(first, first + workers)) <= set(declared.values())
+        front = int(_setting(rendered, container, "RISKSERVE_FRONT_METRICS_PORT"))
+        assert declared["front-metrics"] == front
+        assert not first <= front < first + workers
     ports = [p for c in _pod(rendered)["spec"]["containers"] for p in c.get("ports", [])]
     for field in ("containerPort", "name"):
         values = [p[field] for p in ports if field in p]
@@ -212,6 +220,7 @@ def test_services_select_the_pods_and_reach_the_configured_ports(
     for container in _riskserve_containers(rendered):
         wanted.add(int(_setting(rendered, container, "RISKSERVE_PORT")))
         wanted.add(int(_setting(rendered, container, "RISKSERVE_METRICS_PORT")))
+        wanted.add(int(_setting(rendered, container, "RISKSERVE_FRONT_METRICS_PORT")))
     reached = set()
     for service in (r for r in rendered if r["kind"] == "Service"):
         assert _selects_the_pods(rendered, service["spec"]["selector"]), service["metadata"]
