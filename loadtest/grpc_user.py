@@ -56,6 +56,7 @@ _LONGEST_WAIT_S = 10.0
 # gevent's timers fire up to about a millisecond late (its loop waits in whole milliseconds), so
 # a user wakes this much before its task is due; a run that starts early is timed from its start.
 _TIMER_SLACK_S = 0.001
+_CONNECT_TIMEOUT_S = 10.0
 _MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
@@ -468,6 +469,24 @@ class GrpcUser(User):
                 ca = str(getattr(self.environment.parsed_options, "tls_ca", ""))
                 _streams[key] = ScoreStreamMux(self._open_channel(target, tls, ca))
             return _streams[key].score
+
+    def on_start(self) -> None:
+        """Connect before the first task: a decision system calls on connections it already
+        holds, so setting one up is not what the load test times. A user that cannot connect
+        counts one failure and stops."""
+        try:
+            grpc.channel_ready_future(self.channel).result(timeout=_CONNECT_TIMEOUT_S)
+        except grpc.FutureTimeoutError as exc:
+            self.environment.events.request.fire(
+                request_type="grpc",
+                name="connect",
+                response_time=_CONNECT_TIMEOUT_S * 1000.0,
+                response_length=0,
+                response=None,
+                context={"code": "UNAVAILABLE"},
+                exception=RpcStatusError(f"no connection within {_CONNECT_TIMEOUT_S:g} s"),
+            )
+            raise StopUser() from exc
 
     def on_stop(self) -> None:
         self.channel.close()

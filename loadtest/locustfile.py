@@ -78,6 +78,7 @@ class RiskScoringUser(GrpcUser):
     """A decision system calling riskserve: mostly single scores, some batches, some OIP."""
 
     def on_start(self) -> None:
+        super().on_start()
         self.model_schema: ModelSchema = self.schema()
         schema = self.model_schema
         key = f"{schema.model}/{schema.model_version}"
@@ -90,6 +91,10 @@ class RiskScoringUser(GrpcUser):
         most = schema.max_score_batch_requests or BATCH_SIZES[1]
         self.batch_sizes = (min(BATCH_SIZES[0], most), min(BATCH_SIZES[1], most))
         self.score_call = self.score_method()
+        # The first task is due at a random point of the first interval, as every later one
+        # is paced: users that waited here together for the schema would otherwise all send
+        # their first call at once.
+        self.wait()
 
     def _request(self, n_rows: int) -> risk_scoring_pb2.ScoreRequest:
         request = risk_scoring_pb2.ScoreRequest(
