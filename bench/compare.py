@@ -7,8 +7,9 @@ as JSON under bench/results/, and draw latency against achieved throughput as a 
 
 Servers: ``riskserve`` (batching on), ``riskserve-nobatch`` (RISKSERVE_MAX_BATCH_SIZE=1),
 ``triton``, ``mlserver``; also, on request, ``riskserve-notrace`` (RISKSERVE_TRACING=false),
-``riskserve-2proc`` (two server processes on one port), ``riskserve-threaded`` (every batch on an
-engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
+``riskserve-2proc`` (two server processes on one port), ``riskserve-front`` (as ``make serve``
+runs it: the HAProxy front before one worker, RISKSERVE_FRONT=haproxy), ``riskserve-threaded``
+(every batch on an engine thread, RISKSERVE_ENGINE_INLINE_MAX_US=0), ``riskserve-si500`` and
 ``riskserve-threaded-si500`` (the same with RISKSERVE_SWITCH_INTERVAL_US=500),
 ``riskserve-gather`` (a batch started alone waits up to 1 ms for company,
 RISKSERVE_GATHER_US=1000),
@@ -128,6 +129,9 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         env["RISKSERVE_TRACING"] = "false"
     if name == "riskserve-2proc":
         env["RISKSERVE_PROCESSES"] = "2"
+    if name == "riskserve-front":  # as `make serve` and the image run it
+        env["RISKSERVE_FRONT"] = "haproxy"
+        env["RISKSERVE_FRONT_METRICS_PORT"] = "0"
     if name.startswith("riskserve-threaded"):
         env["RISKSERVE_ENGINE_INLINE_MAX_US"] = "0"
     if name.endswith("-si500"):

@@ -85,9 +85,13 @@ def _spec(config: str, budget_ms: float) -> tuple[ServerSpec, int]:
         # Kept traces go nowhere in a benchmark; tracing itself stays on, as deployed.
         "RISKSERVE_TRACE_FILE": "none",
     }
-    if config != "1-process":
-        env["RISKSERVE_PROCESSES"] = config.split("-", 1)[0]  # "auto", or "2" of "2-processes"
-    if config.endswith("-gather"):
+    if config.endswith("-front"):  # as `make serve` runs it: the HAProxy front before them
+        env["RISKSERVE_FRONT"] = "haproxy"
+        env["RISKSERVE_FRONT_METRICS_PORT"] = "0"
+    processes = config.removesuffix("-front").removesuffix("-gather")
+    if processes != "1-process":
+        env["RISKSERVE_PROCESSES"] = processes.split("-", 1)[0]  # "auto", or "2" of "2-processes"
+    if config.removesuffix("-front").endswith("-gather"):
         env["RISKSERVE_GATHER_US"] = "1000"  # a batch started alone waits for company
     argv = (str(RISKSERVE), "serve", "--port", str(port))
     return ServerSpec(config, argv, port, "fraud-demo", env=env, cwd=REPO), metrics_port
@@ -142,7 +146,7 @@ def _number(row: dict[str, str], key: str) -> float:
 
 
 def _processes(config: str) -> int:
-    config = config.removesuffix("-gather")
+    config = config.removesuffix("-front").removesuffix("-gather")
     if config in ("1-process", FLOOR, FLOOR_ENGINE):
         return 1
     if config == "auto":
@@ -286,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         "--configs",
         default="1-process,auto",
         help="1-process, auto (one per core) or N-processes (RISKSERVE_PROCESSES=N), each "
-        "with -gather appended for RISKSERVE_GATHER_US=1000, floor (the do-nothing server) or "
+        "with -gather appended for RISKSERVE_GATHER_US=1000 and then -front for the HAProxy "
+        "front before the processes (RISKSERVE_FRONT=haproxy), floor (the do-nothing server) or "
         "floor-engine (it running the model on each request alone); comma-separated",
     )
     parser.add_argument(

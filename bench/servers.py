@@ -145,13 +145,18 @@ class ServerProcess:
         return self._process.pid
 
     def cpu_seconds(self) -> float:
-        """User plus system CPU time of every live process in the server's process group."""
+        """User plus system CPU time of every live process the server started: its process
+        group, and its descendants in groups of their own (the front's workers and HAProxy)."""
         if self._process is None:
             return math.nan
         group, total = self._process.pid, 0.0
+        try:
+            tree = {p.pid for p in psutil.Process(group).children(recursive=True)} | {group}
+        except psutil.Error:
+            tree = set()
         for process in psutil.process_iter():
             try:
-                if os.getpgid(process.pid) == group:
+                if process.pid in tree or os.getpgid(process.pid) == group:
                     times = process.cpu_times()
                     total += times.user + times.system
             except (ProcessLookupError, psutil.Error):
