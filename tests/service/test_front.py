@@ -87,6 +87,17 @@ def front(tmp_path: Path) -> Iterator[tuple[str, list[LiveServer]]]:
             worker.__exit__(None, None, None)
 
 
+def _score_or_shed(stub: pb_grpc.RiskScoringStub, i: int, outcomes: list[str]) -> None:
+    """One Score call: answered, or refused by the front with its message."""
+    try:
+        stub.Score(sequence_request(i, 50), timeout=5)
+        outcomes.append("OK")
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
+        assert exc.details() == BUSY_MESSAGE
+        outcomes.append("shed")
+
+
 def _base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("RISKSERVE_")}
 
@@ -111,17 +122,8 @@ def test_one_connection_s_calls_reach_both_workers_and_the_excess_is_shed(front)
         shares = [_answered(w) for w in workers]
         assert sum(shares) == 200 and all(80 <= s <= 120 for s in shares), shares
 
-        def call(i: int) -> None:  # 48 at a time against two workers taking one each
-            try:
-                stub.Score(sequence_request(i, 50), timeout=5)
-                outcomes.append("OK")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                assert exc.details() == BUSY_MESSAGE
-                outcomes.append("shed")
-
-        with ThreadPoolExecutor(48) as pool:
-            list(pool.map(call, range(1000)))
+        with ThreadPoolExecutor(48) as pool:  # against two workers taking one call each
+            list(pool.map(lambda i: _score_or_shed(stub, i, outcomes), range(1000)))
     assert outcomes.count("shed") > 0 and outcomes.count("OK") > 0
     answered = sum(_answered(w) for w in workers) - 200
     assert answered == outcomes.count("OK")  # a shed call never reached a worker
@@ -200,15 +202,6 @@ def test_serve_spreads_one_connection_over_its_workers_and_sheds_with_health_ser
         health_seen: list[int] = []
         done = threading.Event()
 
-        def call(i: int) -> None:
-            try:
-                stub.Score(sequence_request(i, 50), timeout=5)
-                outcomes.append("OK")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc
-                assert exc.details() == BUSY_MESSAGE
-                outcomes.append("shed")
-
         def probe() -> None:  # the health service, asked while the front sheds
             check = health_pb2_grpc.HealthStub(channel).Check
             while not done.is_set():
@@ -216,7 +209,7 @@ def test_serve_spreads_one_connection_over_its_workers_and_sheds_with_health_ser
 
         prober = threading.Thread(target=probe)
         with ThreadPoolExecutor(48) as pool:
-            calls = pool.map(call, range(1000))
+            calls = pool.map(lambda i: _score_or_shed(stub, i, outcomes), range(1000))
             prober.start()
             streamed = list(stub.ScoreStream(iter(sequence_request(i, 5) for i in range(20))))
             list(calls)
