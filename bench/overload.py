@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -143,31 +143,43 @@ async def _open_loop(
     return _calls(due, took, codes, late)
 
 
+async def _call_loops(
+    callers: int, start: float, run_s: float, send: Callable[[int], Awaitable[str]]
+) -> Calls:
+    """`callers` loops from wall time `start` for `run_s`, each sending its next call (`send`,
+    given the loop's index, returns the status name) as soon as the last one ended."""
+    due, took, codes = [], [], []
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + (start - time.time())
+    await asyncio.sleep(max(0.0, t0 - loop.time()))
+
+    async def caller(index: int) -> None:
+        while loop.time() < t0 + run_s:
+            sent = loop.time()
+            code = await send(index)
+            due.append(sent - t0)
+            took.append(loop.time() - sent)
+            codes.append(code)
+
+    await asyncio.gather(*(caller(i) for i in range(callers)))
+    return _calls(due, took, codes)
+
+
 async def _closed_loop(
     target: str, method: str, payload: bytes, callers: int, start: float, run_s: float, d: float
 ) -> Calls:
-    due, took, codes = [], [], []
     async with grpc.aio.insecure_channel(target) as channel:
         call = channel.unary_unary(method)
         await channel.channel_ready()
-        loop = asyncio.get_running_loop()
-        t0 = loop.time() + (start - time.time())
-        await asyncio.sleep(max(0.0, t0 - loop.time()))
 
-        async def caller() -> None:
-            while loop.time() < t0 + run_s:
-                sent = loop.time()
-                code = "OK"
-                try:
-                    await call(payload, timeout=d)
-                except grpc.aio.AioRpcError as exc:
-                    code = exc.code().name
-                due.append(sent - t0)
-                took.append(loop.time() - sent)
-                codes.append(code)
+        async def send(_: int) -> str:
+            try:
+                await call(payload, timeout=d)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code().name
+            return "OK"
 
-        await asyncio.gather(*(caller() for _ in range(callers)))
-    return _calls(due, took, codes)
+        return await _call_loops(callers, start, run_s, send)
 
 
 async def _riskclient_loop(
@@ -177,30 +189,19 @@ async def _riskclient_loop(
     from riskscoring.v1 import risk_scoring_pb2 as pb
 
     requests = [pb.ScoreRequest.FromString(p) for p in payloads]
-    due, took, codes = [], [], []
     async with AsyncRiskClient(target, timeout_s=d) as client:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time() + (start - time.time())
-        await asyncio.sleep(max(0.0, t0 - loop.time()))
 
-        async def caller(index: int) -> None:
-            request = requests[index % len(requests)]
-            while loop.time() < t0 + run_s:
-                sent = loop.time()
-                code = "OK"
-                try:
-                    await client.score(request)
-                except ScoringError as exc:
-                    code = exc.code.name
-                    # A throttled call ends before any await: let the other callers run, as
-                    # a decision system's next transaction would come later.
-                    await asyncio.sleep(0)
-                due.append(sent - t0)
-                took.append(loop.time() - sent)
-                codes.append(code)
+        async def send(index: int) -> str:
+            try:
+                await client.score(requests[index % len(requests)])
+            except ScoringError as exc:
+                # A throttled call ends before any await: let the other callers run, as a
+                # decision system's next transaction would come later.
+                await asyncio.sleep(0)
+                return exc.code.name
+            return "OK"
 
-        await asyncio.gather(*(caller(i) for i in range(callers)))
-    return _calls(due, took, codes)
+        return await _call_loops(callers, start, run_s, send)
 
 
 def _run(coroutine_factory: Callable[..., object], *args: object) -> Calls:
@@ -363,7 +364,7 @@ def measure(
                     ok = _ok_rate(calls, deadline_s, args.duration_s)
                     row.riskclient = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
                     log(f"  through riskclient: {row.riskclient}")
-            row.health = "yes" if set(health.seen) == {"SERVING"} else dict(health.seen).__str__()
+            row.health = "yes" if set(health.seen) == {"SERVING"} else str(dict(health.seen))
         finally:
             client.close()
     return row

@@ -5,7 +5,6 @@ with RESOURCE_EXHAUSTED and its message, health and all."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -28,9 +27,16 @@ from waiting import port_open, wait_until
 from bench.servers import free_port
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
-from service.front import BUSY_MESSAGE, FrontTLS, haproxy_config, queue_timeout_ms, write
+from service.front import (
+    BUSY_MESSAGE,
+    FrontTLS,
+    find_haproxy,
+    haproxy_config,
+    queue_timeout_ms,
+    write,
+)
 
-HAPROXY = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/usr/local/sbin")
+HAPROXY = find_haproxy()
 needs_haproxy = pytest.mark.skipif(
     HAPROXY is None,
     reason="no haproxy here: `make test` installs Debian's haproxy where apt-get runs as root",
@@ -52,9 +58,14 @@ def test_the_config_holds_each_worker_to_its_calls_and_sheds_after_a_quarter_of_
 
 
 @pytest.fixture()
-def front(tmp_path: Path) -> Iterator[tuple[str, list[LiveServer]]]:
-    models = tmp_path / "models"
-    write_sequence_model(models)
+def models(tmp_path: Path) -> Path:
+    """A models folder with the small sequence model, `seq-mini`."""
+    write_sequence_model(tmp_path / "models")
+    return tmp_path / "models"
+
+
+@pytest.fixture()
+def front(models: Path, tmp_path: Path) -> Iterator[tuple[str, list[LiveServer]]]:
     workers = [
         LiveServer(models_dir=models, default_model="seq-mini", metrics_port=0, budget_ms=2000)
         for _ in range(2)
@@ -184,9 +195,7 @@ def _front_total(port: int, name: str, **labels: str) -> float:
 
 
 @needs_haproxy
-def test_serve_spreads_one_connection_over_its_workers_and_sheds_with_health_serving(tmp_path):
-    models = tmp_path / "models"
-    write_sequence_model(models)
+def test_serve_spreads_one_connection_over_its_workers_and_sheds_with_health_serving(models: Path):
     with _served(models, []) as (_, target, metrics_port), grpc.insecure_channel(target) as channel:
         stub = pb_grpc.RiskScoringStub(channel)
         for i in range(200):
@@ -234,9 +243,7 @@ def _socket_folder(output: list[str]) -> Path:
 
 
 @needs_haproxy
-def test_sigterm_drains_and_ends_the_workers_the_front_and_their_sockets(tmp_path):
-    models = tmp_path / "models"
-    write_sequence_model(models)
+def test_sigterm_drains_and_ends_the_workers_the_front_and_their_sockets(models: Path):
     output: list[str] = []
     with _served(models, output) as (proc, target, metrics_port):
         children = _children(proc.pid)
@@ -252,9 +259,7 @@ def test_sigterm_drains_and_ends_the_workers_the_front_and_their_sockets(tmp_pat
 
 
 @needs_haproxy
-def test_a_worker_that_dies_stops_the_service_with_a_failure(tmp_path):
-    models = tmp_path / "models"
-    write_sequence_model(models)
+def test_a_worker_that_dies_stops_the_service_with_a_failure(models: Path):
     output: list[str] = []
     with _served(models, output) as (proc, _, _port):
         workers = [
@@ -268,9 +273,7 @@ def test_a_worker_that_dies_stops_the_service_with_a_failure(tmp_path):
 
 
 @needs_haproxy
-def test_the_front_terminates_the_settings_tls(tmp_path):
-    models = tmp_path / "models"
-    write_sequence_model(models)
+def test_the_front_terminates_the_settings_tls(models: Path, tmp_path: Path):
     authority = Authority()
     pair = authority.issue("127.0.0.1", server=True)
     (tmp_path / "tls.crt").write_bytes(pair.cert_pem)
