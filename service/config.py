@@ -66,7 +66,8 @@ class Settings(BaseSettings):
         3000,
         ge=0,
         description="Batches expected to run at most this long run on the event loop instead of "
-        "an engine thread (engines that cannot hang only); 0 = every batch on an engine thread.",
+        "an engine thread while calls do not overlap (engines that cannot hang only); 0 = every "
+        "batch on an engine thread.",
     )
     gather_us: int = Field(
         0,

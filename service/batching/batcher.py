@@ -14,11 +14,20 @@ while it runs and gRPC's core keeps reading the wire on its own threads, so litt
 blocking the loop that briefly; what is gained is that no request waits for a thread to get the
 GIL back. A hand-off to an engine thread and back takes the GIL twice, each time up to the
 interpreter's switch interval (5 ms) while the loop is busy: that, not compute, was most of the
-latency of a lightly loaded server. Sending a batch of one unary request to an engine thread
-whenever the loop was saturated was measured and left out: 8 to 25 % more requests a second
-with 16 to 64 perf_analyzer callers, but `make loadtest`'s mix at 800 requests a second then
-shed 18 % of its requests instead of under 0.1 %. Each report back waited for the GIL while
-the loop ran Python, and those waits entered the engine-time model.
+latency of a lightly loaded server.
+
+That holds while calls come one at a time. Where they overlap, a batch run on the loop holds
+one request: grpc.aio hands the loop one new call at a time, several turns apart, and none
+while the loop computes. So short batches go to an engine thread while calls overlap, and the
+loop accepts the calls that arrive meanwhile: they make the next batch. Whether calls overlap
+is learnt from the runs on a thread (`_Offload`): a run counts for it when its batch held more
+than one request or more than one request was submitted while it ran (an exponential average
+over about eight runs; short batches go to a thread while a quarter or more count). While they
+run on the loop, one in sixteen goes to a thread anyway, to find out. One caller pays a thread
+hop on one batch in sixteen; 16 closed-loop callers get batches of about three requests and a
+third more answers a second (docs/benchmarks.md). A lone extra arrival does not count: two
+callers alternate batches of one, and a thread hop each would only cost them. Where a batch
+holds one row (`max_batch_rows` 1) nothing can join it, and short batches stay on the loop.
 
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
@@ -31,9 +40,9 @@ task wakes up to look at the queue, and a batch crosses threads once each way.
 Where `gather_s` is set (`RISKSERVE_GATHER_US`; off by default), a batch the loop would start
 with a single unary request first waits that long for company, on a timer: the loop blocks in
 its selector meanwhile, so gRPC's poller thread hands it every call that arrives, and each joins
-the queue. grpc.aio hands the loop one new call at a time, several turns apart, so without the
-wait every unary call on a busy server was a batch of one: at 16 closed-loop callers 97 % of
-batches held one row, and each paid the engine's fixed cost and the per-batch work alone.
+the queue. It was measured before short batches went to a thread while calls overlap: without
+the wait, 97 % of batches at 16 closed-loop callers then held one row, and each paid the
+engine's fixed cost and the per-batch work alone.
 Waiting by spinning the loop instead (a turn at a time) batched as well on an idle machine, but
 on one short of CPU the spinning thread starved the poller thread and throughput halved. A wait
 ends early once as many requests are queued as the last one gathered: closed-loop callers send
@@ -201,6 +210,8 @@ class _Running:
     started_ns: int
     expected_end: float  # monotonic seconds, from the engine-time model
     trace: BatchTrace | None
+    # Requests submitted before it went to an engine thread (-1: it runs on the event loop).
+    submitted: int = -1
 
 
 RunBatch = Callable[[RowBatch], Scored]
@@ -216,6 +227,13 @@ _MAX_DEFERRED = 16
 # estimate follows a loaded machine's slower runs, so the bound sits well above a small batch's
 # 0.15 to 1 ms, below a slow engine's 5 ms and more.
 INLINE_MAX_S = 0.003
+# Short batches go to an engine thread while at least this share of recent runs on a thread had
+# company (an exponential average, each run weighing `_OFFLOAD_WEIGHT`; see the module's notes).
+_OFFLOAD_WORTH = 0.25
+_OFFLOAD_WEIGHT = 0.125
+# While short batches run on the event loop, one in this many goes to a thread anyway, to see
+# whether company would come.
+_OFFLOAD_PROBE_EVERY = 16
 # How long a batch started alone waits for company (see the module's notes); off by default.
 GATHER_S = 0.0
 # Batches wait for company while `_Gather.worth` stays above this: after a wait that brought
@@ -232,6 +250,31 @@ _GATHER_PROBE_EVERY = 256
 ARRIVES_ALONE: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "riskserve_arrives_alone", default=True
 )
+
+
+class _Offload:
+    """Whether the next short batch runs on an engine thread, so that the event loop accepts
+    calls while it runs, and how often recent runs on a thread had company."""
+
+    __slots__ = ("since_probe", "worth")
+
+    def __init__(self) -> None:
+        self.worth = 0.0  # the share of recent runs on a thread that had company
+        self.since_probe = 0  # short batches run on the loop since the last one on a thread
+
+    def wanted(self) -> bool:
+        if self.worth >= _OFFLOAD_WORTH:
+            return True
+        self.since_probe += 1
+        if self.since_probe < _OFFLOAD_PROBE_EVERY:
+            return False
+        self.since_probe = 0
+        return True
+
+    def ran(self, company: bool) -> None:
+        """A batch ran on a thread; `company`: whether it held more than one request or more
+        than one was submitted while it ran."""
+        self.worth += (company - self.worth) * _OFFLOAD_WEIGHT
 
 
 class _Gather:
@@ -294,6 +337,9 @@ class MicroBatcher:
         self._inline_max_s = inline_max_s
         self._gather_s = gather_s
         self._gather = _Gather()
+        # Where a batch holds one row, nothing can join it: short batches stay on the loop.
+        self._offload = _Offload() if max_batch_rows > 1 else None
+        self._submitted = 0  # requests queued so far
         self.max_batch_rows = max_batch_rows
         self.max_queue_rows = max_queue_rows
         self._workers_n = workers
@@ -387,6 +433,7 @@ class MicroBatcher:
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
         heapq.heappush(self._heap, job)
         self._queued_rows += rows
+        self._submitted += 1
         self._kick()
         return await future
 
@@ -524,6 +571,7 @@ class MicroBatcher:
     def _hand_off(self) -> None:
         token, running = self._start_next()
         if running is not None:
+            running.submitted = self._submitted
             self._inbox.put((token, _parts(running.jobs)))
 
     def _dispatch_next(self) -> None:
@@ -541,7 +589,9 @@ class MicroBatcher:
             if running is None:
                 continue
             estimate_s = self.time_model.estimate_s(running.cells)
-            if estimate_s > self._inline_max_s:
+            offload = self._offload
+            if estimate_s > self._inline_max_s or (offload is not None and offload.wanted()):
+                running.submitted = self._submitted
                 self._inbox.put((token, _parts(running.jobs)))
                 self._dispatch()  # more workers may be free
                 return
@@ -637,6 +687,9 @@ class MicroBatcher:
 
     def _finish(self, token: int, outcome: Scored | BaseException, done_ns: int) -> None:
         running = self._running.pop(token)
+        if running.submitted >= 0 and self._offload is not None:  # it ran on a thread
+            arrived = self._submitted - running.submitted
+            self._offload.ran(len(running.jobs) > 1 or arrived > 1)
         try:
             self._deliver(running, outcome, done_ns)
         finally:
