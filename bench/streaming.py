@@ -176,9 +176,9 @@ async def _callers(target: str, mode: str, callers: int, duration_s: float, requ
 
     latencies: list[float] = []
     errors = 0
-    async with AsyncRiskClient(target, timeout_s=5.0) as client:
-        stream = client.stream() if mode == "stream" else None
-        score = stream.score if stream is not None else client.score
+    # The client's default shares one stream among concurrent callers; unary is the option.
+    async with AsyncRiskClient(target, timeout_s=5.0, shared_stream=mode == "stream") as client:
+        score = client.score
         for request in requests[:callers]:  # warm the channel (and the stream)
             await score(request)
         stop_at = time.perf_counter() + duration_s
@@ -199,8 +199,6 @@ async def _callers(target: str, mode: str, callers: int, duration_s: float, requ
         started = time.perf_counter()
         await asyncio.gather(*(caller(k) for k in range(callers)))
         elapsed = time.perf_counter() - started
-        if stream is not None:
-            await stream.close()
     ms = np.array(latencies) * 1e3
     return {
         "rps": len(latencies) / elapsed,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import grpc
 
@@ -19,8 +20,24 @@ __all__ = ["AsyncRiskClient"]
 class AsyncRiskClient(ClientBase):
     """Scores requests on a riskserve from asyncio code.
 
-    Create and use it inside one running event loop.
+    Create and use it inside one running event loop. Concurrent `score()` calls share one
+    ScoreStream (`shared_stream`, on by default): the first time a call is made while another
+    is in flight, the client opens the stream, and from then on every `score()` goes on it
+    until `close()`. A streamed request costs the server well under half a unary call
+    (docs/benchmarks.md, "Streaming"). Calls made one at a time stay unary calls, and so does
+    a call whose request_id is already in flight on the stream. Behind the front with several
+    workers, a stream stays on the worker it reached: pass `shared_stream=False` where one
+    client's calls must be spread over the workers.
     """
+
+    def __init__(
+        self, target: str | None = None, *, shared_stream: bool = True, **settings: Any
+    ) -> None:
+        self.shared_stream = shared_stream
+        self._calls = 0  # score() calls in flight
+        self._shared: AsyncScoreStream | None = None
+        self._closed = False
+        super().__init__(target, **settings)
 
     def _open(self) -> None:
         self._channel = self.connection.aio_channel()
@@ -32,14 +49,49 @@ class AsyncRiskClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
+    @property
+    def shared(self) -> AsyncScoreStream | None:
+        """The stream concurrent calls share, once calls have overlapped (None before)."""
+        return self._shared
+
     async def close(self) -> None:
+        """End the shared stream once its requests are answered, then the channel."""
+        self._closed = True
+        shared, self._shared = self._shared, None
+        if shared is not None:
+            await shared.close()
         await self._channel.close()
 
     async def score(
         self, request: RequestLike, *, timeout_s: float | None = None
     ) -> pb.ScoreResponse:
-        """Score one request with a unary call; raises ScoringError when it is not scored."""
+        """Score one request, on the shared stream where calls overlap (see the class) or with
+        a unary call; raises ScoringError when it is not scored."""
         message = as_request(request)
+        stream = self._stream_for(message.request_id)
+        self._calls += 1
+        try:
+            if stream is not None:
+                return await stream.score(message, timeout_s=timeout_s)
+            return await self._score_unary(message, timeout_s)
+        finally:
+            self._calls -= 1
+
+    def _stream_for(self, request_id: str) -> AsyncScoreStream | None:
+        """The shared stream for a request, opened now if calls overlap; None: a unary call."""
+        if not self.shared_stream or self._closed:
+            return None
+        if self._shared is None:
+            if self._calls == 0:
+                return None
+            self._shared = self.stream()
+        if request_id and self._shared.carries(request_id):
+            return None
+        return self._shared
+
+    async def _score_unary(
+        self, message: pb.ScoreRequest, timeout_s: float | None
+    ) -> pb.ScoreResponse:
         self._admit(message.request_id)
         try:
             reply = await self._stub.Score(

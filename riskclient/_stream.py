@@ -91,6 +91,10 @@ class AsyncScoreStream:
         """Requests waiting for their answers, sent or queued."""
         return len(self._pending)
 
+    def carries(self, request_id: str) -> bool:
+        """Whether a request with this id is in flight on the stream (ids must be unique)."""
+        return request_id in self._pending
+
     @property
     def sent_unanswered(self) -> int:
         """Requests the current stream has sent and not had answered."""
