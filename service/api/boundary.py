@@ -21,10 +21,12 @@ from service.telemetry import RequestTrace, Telemetry, current_request_trace, cu
 from service.telemetry.tracing import DECISION_DROPPED
 
 __all__ = [
+    "after_reply",
     "note_model",
     "note_scored",
     "note_validated",
     "rpc_boundary",
+    "trace_scored",
 ]
 
 
@@ -63,8 +65,15 @@ def note_scored(
         call.model, call.version, call.engine = name, version, scored.engine
     trace = current_request_trace()
     if trace is not None:
-        trace.batch = scored.batch_trace
-        trace.defer(_scored_details, name, version, scored, decision)
+        trace_scored(trace, name, version, scored, decision)
+
+
+def trace_scored(
+    trace: RequestTrace, name: str, version: str, scored: Scored, decision: str = ""
+) -> None:
+    """Attach the batch to `trace` and leave its scoring details to export time."""
+    trace.batch = scored.batch_trace
+    trace.defer(_scored_details, name, version, scored, decision)
 
 
 def _scored_details(
@@ -186,7 +195,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
             if tracing is not None and trace is not None and trace_token is not None:
                 tracing.deactivate(trace_token)
                 details = "" if code == 0 else name
-                if tracing.end_request(trace, code, details, _after_reply) != DECISION_DROPPED:
+                if tracing.end_request(trace, code, details, after_reply) != DECISION_DROPPED:
                     kept_trace = trace.context
             if telemetry is not None and call.model:
                 model, version = _labels(telemetry, call)
@@ -212,7 +221,7 @@ def _labels(telemetry: Telemetry, call: _CallLabels) -> tuple[str, str]:
     return telemetry.metrics.loaded_labels(call.model, call.version)
 
 
-def _after_reply(callback: Callable[..., object], *args: Any) -> None:
+def after_reply(callback: Callable[..., object], *args: Any) -> None:
     """Run `callback(*args)` on the event loop's next turn: after this RPC's task yields, when
     gRPC has started sending the reply (a kept trace's spans are built there)."""
     asyncio.get_running_loop().call_soon(callback, *args)

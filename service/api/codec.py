@@ -28,6 +28,7 @@ __all__ = [
     "check_requested_outputs",
     "checked_model_name",
     "decode_infer_request",
+    "decode_infer_together",
     "decode_score_batch",
     "decode_score_request",
     "encode_infer_response",
@@ -270,6 +271,50 @@ def decode_infer_request(
     """OIP tensors named as the model's ONNX inputs, checked against the manifest; `served` is
     the name of the score's output tensor (`ScoreOutput.served_name`)."""
     check_requested_outputs(request, served)
+    return _infer_rows(_infer_arrays(request, manifest), manifest)
+
+
+def decode_infer_together(
+    requests: Sequence[oip.ModelInferRequest], manifest: Manifest, served: str
+) -> RowBatch | None:
+    """The rows of OIP requests alike in their tensors (names, types, shapes, raw contents),
+    decoded as one batch, in order: the first request's tensors are checked in full, the
+    others' against them, and every value at once. None where the requests differ or a check
+    fails: decoded one by one instead, each error names its own request's field."""
+    first = requests[0]
+    raw_first = first.raw_input_contents
+    if not raw_first:
+        return None
+    try:
+        check_requested_outputs(first, served)
+        arrays = _infer_arrays(first, manifest)
+    except InvalidRequest:
+        return None
+    tensors = [(t.name, t.datatype, list(t.shape)) for t in first.inputs]
+    sizes = [len(raw) for raw in raw_first]
+    for request in requests[1:]:
+        if any(output.name != served for output in request.outputs):
+            return None
+        if [len(raw) for raw in request.raw_input_contents] != sizes:
+            return None
+        inputs = request.inputs
+        if len(inputs) != len(tensors):
+            return None
+        for tensor, (name, datatype, shape) in zip(inputs, tensors, strict=True):
+            if tensor.name != name or tensor.datatype != datatype or list(tensor.shape) != shape:
+                return None
+    n = len(requests)
+    for i, (name, _, shape) in enumerate(tensors):
+        joined = b"".join([request.raw_input_contents[i] for request in requests])
+        arrays[name] = np.frombuffer(joined, dtype="<f4").reshape((n * shape[0], *shape[1:]))
+    try:
+        return _infer_rows(arrays, manifest)
+    except InvalidRequest:
+        return None
+
+
+def _infer_arrays(request: oip.ModelInferRequest, manifest: Manifest) -> dict[str, np.ndarray]:
+    """A request's tensors by name, each checked against the input it names."""
     spec = manifest.history
     expected = {manifest.features_input: 2}
     if spec is not None:
@@ -291,6 +336,12 @@ def decode_infer_request(
     if len(arrays) < len(expected):
         missing = sorted(set(expected) - set(arrays))
         raise InvalidRequest("inputs", f"missing {', '.join(missing)}")
+    return arrays
+
+
+def _infer_rows(arrays: dict[str, np.ndarray], manifest: Manifest) -> RowBatch:
+    """The rows of an OIP request's tensors (`_infer_arrays`), their shapes and values checked."""
+    spec = manifest.history
     features = arrays[manifest.features_input]
     n = features.shape[0]
     if n == 0:

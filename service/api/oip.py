@@ -8,6 +8,8 @@ by the champion, as no entity's).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -18,26 +20,39 @@ from inference import grpc_service_pb2 as oip
 from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
 from service.api.boundary import (
+    after_reply,
     note_model,
     note_scored,
     note_validated,
     rpc_boundary,
+    trace_scored,
 )
-from service.api.codec import checked_model_name, decode_infer_request, encode_infer_response
+from service.api.codec import (
+    checked_model_name,
+    decode_infer_request,
+    decode_infer_together,
+    encode_infer_response,
+)
 from service.api.registration import Malformed
 from service.api.stream import (
     DEFAULT_MAX_IN_FLIGHT,
+    Arrival,
     MessageContext,
     MessageStreams,
     stream_method,
 )
+from service.batching.batcher import Scored
 from service.batching.budget import Budget
-from service.errors import InvalidRequest
+from service.batching.rows import RowBatch
+from service.errors import InvalidRequest, ServiceError, status_for
 from service.models.registry import ModelRegistry, ModelVersion
 from service.models.routing import RequestRouter
-from service.telemetry import Telemetry
+from service.telemetry import RequestTrace, Telemetry
+from service.telemetry.tracing import DECISION_DROPPED, SpanContext, Tracing
 
 __all__ = ["InferenceServicer"]
+
+log = logging.getLogger(__name__)
 
 SERVER_NAME = "riskserve"
 PLATFORM = "onnxruntime_onnx"
@@ -233,4 +248,182 @@ def _message_budget_s(request: oip.ModelInferRequest) -> float | None:
     return None
 
 
-_INFER_STREAM = stream_method("ModelStreamInfer", _infer_message, _infer_error, _message_budget_s)
+_STREAM_METHOD = "ModelStreamInfer"
+_STREAM_SPAN = f"{InferenceServicer.SERVICE_NAME}/{_STREAM_METHOD}"
+_STREAM_ATTRIBUTES = {
+    "rpc.system": "grpc",
+    "rpc.service": InferenceServicer.SERVICE_NAME,
+    "rpc.method": _STREAM_METHOD,
+}
+
+
+def _infer_together(servicer: InferenceServicer, arrivals: list[Arrival]) -> None:
+    """Score the messages read in one turn of the loop together: per model version, messages
+    alike in their tensors are decoded and checked as one array each (`decode_infer_together`;
+    one by one where they differ or a check fails, so that an error names its message's
+    field), queued as one job of at most a batch of rows, and answered from its scores. A
+    message for an experiment that logs its route (an ``entity_id`` parameter, or a model
+    whose experiment logs every request) goes the per-message path, which records it."""
+    telemetry = servicer.telemetry
+    router = servicer._router
+    by_model: dict[int, tuple[ModelVersion, list[Arrival]]] = {}
+    for arrival in arrivals:
+        request: oip.ModelInferRequest = arrival.request
+        if ENTITY_PARAMETER in request.parameters:
+            arrival.alone()
+            continue
+        try:
+            model, route = router.route_one(
+                checked_model_name(request.model_name), request.model_version, ""
+            )
+        except ServiceError as exc:
+            _refused(telemetry, arrival, exc)
+            continue
+        if route is not None:
+            arrival.alone()
+            continue
+        by_model.setdefault(id(model), (model, []))[1].append(arrival)
+    for model, alike in by_model.values():
+        first = alike[0].request
+        rows_each = first.inputs[0].shape[0] if first.inputs and first.inputs[0].shape else 1
+        per_job = max(1, model.batcher.max_batch_rows // max(rows_each, 1))
+        for at in range(0, len(alike), per_job):
+            chunk = alike[at : at + per_job]
+            job = _StreamJob(model, telemetry)
+            rows = decode_infer_together(
+                [a.request for a in chunk], model.manifest, model.score.served_name
+            )
+            if rows is not None:
+                job.add_part(rows)
+                for arrival in chunk:
+                    job.add(arrival, rows_each)
+            else:
+                for arrival in chunk:
+                    try:
+                        part = decode_infer_request(
+                            arrival.request, model.manifest, model.score.served_name
+                        )
+                    except ServiceError as exc:
+                        _refused(telemetry, arrival, exc)
+                        continue
+                    job.add_part(part)
+                    job.add(arrival, part.rows)
+            if job.arrivals:
+                job.start()
+
+
+def _refused(telemetry: Telemetry | None, arrival: Arrival, exc: ServiceError) -> None:
+    """Answer a message that could not be scored, and count it."""
+    code = status_for(exc)
+    arrival.fail(code, str(exc))
+    if telemetry is not None:
+        request: oip.ModelInferRequest = arrival.request
+        name, version = telemetry.metrics.loaded_labels(request.model_name, request.model_version)
+        duration_s = (time.monotonic_ns() - arrival.received_ns) / 1e9
+        telemetry.metrics.observe_request(
+            name, version, "", code.name, duration_s, None, _STREAM_METHOD
+        )
+
+
+class _StreamJob:
+    """Stream messages for one model version, queued as one job and answered from its scores."""
+
+    __slots__ = ("arrivals", "deadline", "model", "parts", "rows", "telemetry", "traces", "tracing")
+
+    def __init__(self, model: ModelVersion, telemetry: Telemetry | None) -> None:
+        self.model = model
+        self.telemetry = telemetry
+        self.tracing = telemetry.tracing if telemetry is not None else None
+        self.arrivals: list[Arrival] = []
+        self.rows: list[int] = []  # each message's rows, in order
+        self.parts: list[RowBatch] = []  # the rows of all, in the same order
+        self.traces: list[RequestTrace | None] = []
+        self.deadline = float("inf")
+
+    def add_part(self, rows: RowBatch) -> None:
+        self.parts.append(rows)
+
+    def add(self, arrival: Arrival, rows: int) -> None:
+        self.arrivals.append(arrival)
+        self.rows.append(rows)
+        self.deadline = min(self.deadline, arrival.deadline)
+        trace = None
+        if self.tracing is not None:
+            trace = self.tracing.start_request(
+                _STREAM_SPAN, dict(_STREAM_ATTRIBUTES), arrival.metadata
+            )
+        self.traces.append(trace)
+
+    def start(self) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self.model.batcher.submit(self.parts, self.deadline, len(self.arrivals))
+        )
+        task.add_done_callback(self._scored)
+
+    def _scored(self, task: asyncio.Task[Scored]) -> None:
+        model, telemetry, tracing = self.model, self.telemetry, self.tracing
+        try:
+            scored = task.result()
+        except ServiceError as exc:
+            self._failed(status_for(exc), str(exc))
+            return
+        except asyncio.CancelledError:
+            self._failed(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+            return
+        except Exception:
+            log.exception("scoring %d stream messages failed", len(self.arrivals))
+            self._failed(grpc.StatusCode.INTERNAL, "internal error")
+            return
+        batch = scored.batch_trace
+        if batch is not None:  # the batch's span links each message's, as a request's would
+            batch.links.extend((t.trace_id, t.span_id) for t in self.traces if t is not None)
+        served = model.score.served_name
+        scores = scored.scores
+        now_ns = time.monotonic_ns()
+        durations: list[float] = []
+        kept: list[SpanContext | None] = []
+        start = 0
+        for arrival, rows, trace in zip(self.arrivals, self.rows, self.traces, strict=True):
+            end = start + rows
+            reply = encode_infer_response(arrival.request, model.version, served, scores[start:end])
+            arrival.answer(oip.ModelStreamInferResponse(infer_response=reply))
+            start = end
+            durations.append((now_ns - arrival.received_ns) / 1e9)
+            if trace is not None:
+                trace_scored(trace, model.name, model.version, scored)
+            kept.append(_ended(tracing, trace, grpc.StatusCode.OK))
+        if telemetry is not None:
+            telemetry.metrics.observe_requests(
+                model.name, model.version, scored.engine, "OK", durations, kept, _STREAM_METHOD
+            )
+
+    def _failed(self, code: grpc.StatusCode, details: str) -> None:
+        now_ns = time.monotonic_ns()
+        telemetry, tracing = self.telemetry, self.tracing
+        durations: list[float] = []
+        kept: list[SpanContext | None] = []
+        for arrival, trace in zip(self.arrivals, self.traces, strict=True):
+            arrival.fail(code, details)
+            durations.append((now_ns - arrival.received_ns) / 1e9)
+            kept.append(_ended(tracing, trace, code))
+        if telemetry is not None:
+            telemetry.metrics.observe_requests(
+                self.model.name, self.model.version, "", code.name, durations, kept, _STREAM_METHOD
+            )
+
+
+def _ended(
+    tracing: Tracing | None, trace: RequestTrace | None, code: grpc.StatusCode
+) -> SpanContext | None:
+    """End a message's trace with its status; its span where the trace is kept."""
+    if tracing is None or trace is None:
+        return None
+    details = "" if code is grpc.StatusCode.OK else code.name
+    if tracing.end_request(trace, code.value[0], details, after_reply) == DECISION_DROPPED:
+        return None
+    return trace.context
+
+
+_INFER_STREAM = stream_method(
+    _STREAM_METHOD, _infer_message, _infer_error, _message_budget_s, _infer_together
+)

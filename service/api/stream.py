@@ -1,9 +1,15 @@
-"""Bidirectional streams: many requests on one call, each scored on the unary path.
+"""Bidirectional streams: many requests on one call, each answered on its own.
 
 A stream reads its messages in one task and starts each on the same per-request path as the
 unary RPC, wrapped in the same RPC boundary (its own trace, request metric and error mapping),
 with a `MessageContext` standing in for the call's context. Responses are written as they
 complete. A message that fails is answered with its status and the stream stays open.
+
+A method with a `per_batch` handler (ModelStreamInfer) instead has the messages that all its
+streams read in one turn of the event loop handed over together at the turn's end
+(`MessageStreams.arrive`), so that they are decoded, checked and queued as arrays, one job per
+model version, with no coroutine, context or boundary per message; the handler still answers,
+traces and counts each message, and hands back to the per-message path any it does not take.
 
 Per stream at most `max_in_flight` messages are scored at once; a message beyond that is
 answered RESOURCE_EXHAUSTED at once. Answers waiting to be written count too: at twice the
@@ -33,6 +39,7 @@ from service.batching.budget import Budget
 
 __all__ = [
     "DEFAULT_MAX_IN_FLIGHT",
+    "Arrival",
     "MessageContext",
     "MessageStreams",
     "StreamMethod",
@@ -93,13 +100,57 @@ ErrorReply = Callable[[Req | Malformed, grpc.StatusCode, str], Resp]
 MessageBudget = Callable[[Req], float | None]
 
 
+class Arrival(Generic[Req, Resp]):
+    """A message read from a stream, waiting for the end of the loop's turn to be scored with
+    the others read in the same turn (`StreamMethod.per_batch`)."""
+
+    __slots__ = ("deadline", "done", "received_ns", "request", "stream")
+
+    def __init__(
+        self, stream: _Stream[Req, Resp], request: Req, deadline: float, received_ns: int
+    ) -> None:
+        self.stream = stream
+        self.request = request
+        self.deadline = deadline  # monotonic seconds
+        self.received_ns = received_ns  # monotonic nanoseconds
+        self.done = False  # answered, or handed to the per-message path
+
+    @property
+    def metadata(self) -> Any:
+        """Its call's invocation metadata (a trace parent, say)."""
+        return self.stream._metadata
+
+    def answer(self, reply: Resp) -> None:
+        """Its answer: written to its stream in completion order."""
+        if not self.done:
+            self.done = True
+            self.stream._answer_arrival(reply)
+
+    def fail(self, code: grpc.StatusCode, details: str) -> None:
+        """Answer it with a failed status, as the stream method answers a failed message."""
+        self.answer(self.stream._error_reply(self.request, code, details))
+
+    def alone(self) -> None:
+        """Score it on its own, on the per-message path (what the batch path does not take)."""
+        if not self.done:
+            self.done = True
+            self.stream._start_arrival(self.request)
+
+
+# The messages of one turn of the event loop, answered together: (servicer, arrivals) -> None;
+# it must answer each arrival, or hand it to the per-message path, exactly once.
+PerBatch = Callable[[Any, list[Arrival[Any, Any]]], None]
+
+
 @dataclass(frozen=True, slots=True)
 class StreamMethod(Generic[Req, Resp]):
-    """How a stream RPC answers each message: scored, failed, and its own time budget."""
+    """How a stream RPC answers each message: scored, failed, and its own time budget; with
+    `per_batch`, the messages read in one turn of the loop are scored together."""
 
     per_message: PerMessage[Req, Resp]
     error_reply: ErrorReply[Req, Resp]
     message_budget: MessageBudget[Req]
+    per_batch: PerBatch | None = None
 
 
 def stream_method(
@@ -107,13 +158,14 @@ def stream_method(
     handler: PerMessage[Req, Resp],
     error_reply: ErrorReply[Req, Resp],
     message_budget: MessageBudget[Req],
+    per_batch: PerBatch | None = None,
 ) -> StreamMethod[Req, Resp]:
     """The stream RPC `name`: `handler` per message behind the RPC boundary, traced and
-    measured as `name`."""
+    measured as `name`; `per_batch`, where given, takes the messages it can score together."""
     handler.__name__ = name
     # The boundary's wrapper is a coroutine function, so a stream can make it a task.
     wrapped = cast(PerMessage[Req, Resp], rpc_boundary(handler))
-    return StreamMethod(wrapped, error_reply, message_budget)
+    return StreamMethod(wrapped, error_reply, message_budget, per_batch)
 
 
 class MessageStreams:
@@ -124,6 +176,35 @@ class MessageStreams:
         self.budget = budget
         self.draining = False
         self._open: set[_Stream[Any, Any]] = set()
+        # Messages read this turn of the loop for a `per_batch` method, and whether the call
+        # that hands them over is scheduled.
+        self._arrivals: list[Arrival[Any, Any]] = []
+        self._flush_scheduled = False
+
+    def arrive(self, arrival: Arrival[Any, Any]) -> None:
+        """Queue a message read this turn; all of them go to their `per_batch` at its end."""
+        self._arrivals.append(arrival)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        arrivals, self._arrivals = self._arrivals, []
+        groups: dict[tuple[int, int], list[Arrival[Any, Any]]] = {}
+        for arrival in arrivals:
+            stream = arrival.stream
+            groups.setdefault((id(stream._servicer), id(stream._method)), []).append(arrival)
+        for group in groups.values():
+            stream = group[0].stream
+            per_batch = stream._method.per_batch
+            assert per_batch is not None
+            try:
+                per_batch(stream._servicer, group)
+            except Exception:
+                log.exception("scoring %d stream messages together failed", len(group))
+                for arrival in group:
+                    arrival.fail(grpc.StatusCode.INTERNAL, "internal error")
 
     def drain(self) -> None:
         """Stop reading every stream; each ends once its read messages are answered."""
@@ -230,13 +311,16 @@ class _Stream(Generic[Req, Resp]):
         remaining = context.time_remaining()
         self._call_deadline = float("inf") if remaining is None else time.monotonic() + remaining
         self._servicer = servicer
+        self._method = method
         self._per_message = method.per_message
         self._error_reply = method.error_reply
         self._message_budget = method.message_budget
+        self._per_batch = method.per_batch
         self._loop = asyncio.get_running_loop()
         self._answers: deque[Resp] = deque()
         self._scoring: set[_Message[Req, Resp]] = set()
         self._unwritten = 0  # read and not yet written: in flight plus answers queued
+        self._batched = 0  # read and handed to `per_batch`, not yet answered
         self._reading = True
         self._draining = False
         self._writer_waiting: asyncio.Future[None] | None = None
@@ -271,7 +355,7 @@ class _Stream(Generic[Req, Resp]):
                 waiting = self._reader_waiting
                 if waiting is not None and not waiting.done():
                     waiting.set_result(None)
-            if not self._reading and not self._scoring:
+            if not self._reading and not self._scoring and not self._batched:
                 break
             self._writer_waiting = self._loop.create_future()
             await self._writer_waiting
@@ -284,10 +368,11 @@ class _Stream(Generic[Req, Resp]):
         # Messages read here start in copies of this task's context: none waits for company.
         ARRIVES_ALONE.set(False)
         limit = self._streams.max_in_flight
+        per_batch, arrive = self._per_batch, self._streams.arrive
         try:
             async for request in self._requests:
                 self._unwritten += 1
-                if len(self._scoring) >= limit:
+                if len(self._scoring) + self._batched >= limit:
                     self._answer(
                         self._error_reply(
                             request,
@@ -296,6 +381,10 @@ class _Stream(Generic[Req, Resp]):
                             "wait for answers before sending more",
                         )
                     )
+                elif per_batch is not None and not isinstance(request, Malformed):
+                    self._batched += 1
+                    now_ns = time.monotonic_ns()
+                    arrive(Arrival(self, request, self._deadline(request, now_ns / 1e9), now_ns))
                 else:
                     self._start(request)
                 if self._unwritten >= 2 * limit:
@@ -313,15 +402,26 @@ class _Stream(Generic[Req, Resp]):
             self._reading = False
             self._wake_writer()
 
-    def _start(self, request: Req) -> None:
-        now = time.monotonic()
+    def _deadline(self, request: Req, now: float) -> float:
+        """A message's deadline, monotonic: its own budget (or the server's), within the call's."""
         budget_s = self._message_budget(request) if not isinstance(request, Malformed) else None
         deadline = now + (self._streams.budget.seconds if budget_s is None else budget_s)
-        context = MessageContext(self._metadata, min(deadline, self._call_deadline))
+        return min(deadline, self._call_deadline)
+
+    def _start(self, request: Req) -> None:
+        context = MessageContext(self._metadata, self._deadline(request, time.monotonic()))
         coro = self._per_message(self._servicer, request, context)
         message = _Message(self, coro, request, context)
         self._scoring.add(message)
         message.start()
+
+    def _start_arrival(self, request: Req) -> None:
+        self._batched -= 1
+        self._start(request)
+
+    def _answer_arrival(self, reply: Resp) -> None:
+        self._batched -= 1
+        self._answer(reply)
 
     def _finished(
         self, message: _Message[Req, Resp], reply: Resp | None, exc: BaseException | None

@@ -191,6 +191,8 @@ class _Job:
     shared: bool = field(compare=False, default=False)
     # Whether a batch it starts alone waits for company (`ARRIVES_ALONE`).
     gathers: bool = field(compare=False, default=True)
+    # The requests its rows answer (stream messages queued as one job).
+    requests: int = field(compare=False, default=1)
 
     @property
     def cells(self) -> float:
@@ -396,9 +398,12 @@ class MicroBatcher:
             for job in running.jobs:
                 self._fail(job, Unavailable("server is shutting down"))
 
-    async def submit(self, batch: RowBatch | Sequence[RowBatch], deadline: float) -> Scored:
+    async def submit(
+        self, batch: RowBatch | Sequence[RowBatch], deadline: float, requests: int = 1
+    ) -> Scored:
         """Queue a request's rows to be scored by monotonic time `deadline`; wait for their
-        scores. Rows given as several parts are padded together only with their batch."""
+        scores. Rows given as several parts are padded together only with their batch.
+        `requests`: how many requests the rows answer (stream messages queued together)."""
         parts = (batch,) if isinstance(batch, RowBatch) else tuple(batch)
         rows = sum(p.rows for p in parts)
         length = max(p.history_length for p in parts)
@@ -425,6 +430,7 @@ class MicroBatcher:
             trace,
             shared,
             ARRIVES_ALONE.get(),
+            requests,
         )
         if now + self._estimate_wait_s(job.cells, length) > deadline:
             self._shed("deadline")
@@ -433,7 +439,7 @@ class MicroBatcher:
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
         heapq.heappush(self._heap, job)
         self._queued_rows += rows
-        self._submitted += 1
+        self._submitted += requests
         self._kick()
         return await future
 
@@ -689,7 +695,8 @@ class MicroBatcher:
         running = self._running.pop(token)
         if running.submitted >= 0 and self._offload is not None:  # it ran on a thread
             arrived = self._submitted - running.submitted
-            self._offload.ran(len(running.jobs) > 1 or arrived > 1)
+            together = running.jobs[0].requests if len(running.jobs) == 1 else 2
+            self._offload.ran(together > 1 or arrived > 1)
         try:
             self._deliver(running, outcome, done_ns)
         finally:

@@ -8,7 +8,7 @@ Prometheus exporter appends the unit, so `riskserve.request.duration` is scraped
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -207,6 +207,30 @@ class Metrics:
         with self._counts_lock:
             self._request_counts[key] = self._request_counts.get(key, 0) + 1
         self._live.windows["end_to_end"].observe(duration_s)
+
+    def observe_requests(
+        self,
+        model: str,
+        version: str,
+        engine: str,
+        status: str,
+        durations_s: Sequence[float],
+        kept_traces: Sequence[trace.SpanContext | None],
+        method: str,
+    ) -> None:
+        """Finished requests of one method, model, engine and status at once (the messages of
+        a stream scored together): `observe_request` for each, one count and lock for all."""
+        attributes = {"method": method, "model": model, "version": version, "engine": engine}
+        record, window = self._request_s.record, self._live.windows["end_to_end"]
+        for duration_s, kept in zip(durations_s, kept_traces, strict=True):
+            context = _NO_CONTEXT
+            if kept is not None:
+                context = trace.set_span_in_context(trace.NonRecordingSpan(kept))
+            record(duration_s, attributes, context)
+            window.observe(duration_s)
+        key = (method, model, version, engine, status)
+        with self._counts_lock:
+            self._request_counts[key] = self._request_counts.get(key, 0) + len(durations_s)
 
     def observe_queue_waits(self, model: str, version: str, durations_s: list[float]) -> None:
         """How long each request of one executed batch waited for it.

@@ -1,0 +1,124 @@
+"""ModelStreamInfer messages read in one turn of the event loop are decoded and queued together,
+and each is still answered, checked and counted as its own."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import urllib.request
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import pytest
+from liveserver import LiveServer
+
+from demo.generator import generate, model_inputs
+from engines.manifest import load_manifest
+from inference import grpc_service_pb2 as oip
+from inference import grpc_service_pb2_grpc as oip_grpc
+from service.api.codec import decode_infer_request, decode_infer_together
+from service.errors import InvalidRequest
+
+ROWS = 16
+
+
+@pytest.fixture(scope="module")
+def arrays() -> dict[str, np.ndarray]:
+    return model_inputs(generate(ROWS, seed=11))
+
+
+def infer(arrays: dict[str, np.ndarray], row: int, request_id: str = "") -> oip.ModelInferRequest:
+    """Row `row` of the demo model's inputs as one raw-content ModelInferRequest."""
+    request = oip.ModelInferRequest(model_name="fraud-demo", id=request_id or f"r{row}")
+    for name, array in arrays.items():
+        part = np.ascontiguousarray(array[row : row + 1], dtype="<f4")
+        request.inputs.add(name=name, datatype="FP32", shape=list(part.shape))
+        request.raw_input_contents.append(part.tobytes())
+    return request
+
+
+def test_alike_requests_decode_as_one_batch_equal_to_each_alone(models_root, arrays):
+    manifest = load_manifest(models_root / "fraud-demo" / "1")
+    requests = [infer(arrays, row) for row in range(ROWS)]
+    together = decode_infer_together(requests, manifest, "score")
+    assert together is not None and together.rows == ROWS
+    alone = [decode_infer_request(r, manifest, "score") for r in requests]
+    np.testing.assert_array_equal(together.features, np.concatenate([a.features for a in alone]))
+    np.testing.assert_array_equal(together.history, np.concatenate([a.history for a in alone]))
+    np.testing.assert_array_equal(together.mask, np.concatenate([a.mask for a in alone]))
+
+
+def test_requests_that_differ_or_fail_a_check_are_left_to_decode_alone(models_root, arrays):
+    manifest = load_manifest(models_root / "fraud-demo" / "1")
+    shorter = {k: (v[:, :8] if v.ndim > 1 and k != "features" else v) for k, v in arrays.items()}
+    assert decode_infer_together([infer(arrays, 0), infer(shorter, 1)], manifest, "score") is None
+    poisoned = {k: v.copy() for k, v in arrays.items()}
+    poisoned["features"][2, 0] = np.nan
+    requests = [infer(poisoned, row) for row in range(4)]
+    assert decode_infer_together(requests, manifest, "score") is None
+    # Alone, the failing request names its own field; the others decode.
+    with pytest.raises(InvalidRequest, match="features"):
+        decode_infer_request(requests[2], manifest, "score")
+    decode_infer_request(requests[3], manifest, "score")
+
+
+def test_concurrent_streams_get_each_message_answered_and_counted(models_root, arrays):
+    streams, bad = 4, {("s1", 5), ("s3", 9)}
+
+    def message(stream: str, row: int) -> oip.ModelInferRequest:
+        request = infer(arrays, row, f"{stream}-{row}")
+        if (stream, row) in bad:  # NaN features: this model rejects them
+            values = np.frombuffer(request.raw_input_contents[0], dtype="<f4").copy()
+            values[0] = np.nan
+            request.raw_input_contents[0] = values.tobytes()
+        return request
+
+    async def run(target: str) -> dict[str, oip.ModelStreamInferResponse]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = oip_grpc.GRPCInferenceServiceStub(channel)
+
+            async def one(stream: str) -> list[oip.ModelStreamInferResponse]:
+                call = stub.ModelStreamInfer(iter([message(stream, r) for r in range(ROWS)]))
+                replies = [reply async for reply in call]
+                assert await call.code() == grpc.StatusCode.OK
+                return replies
+
+            answered = await asyncio.gather(*(one(f"s{i}") for i in range(streams)))
+        by_id = {reply.infer_response.id: reply for replies in answered for reply in replies}
+        assert sum(len(replies) for replies in answered) == len(by_id)  # each answered once
+        return by_id
+
+    server = LiveServer(
+        models_dir=models_root,
+        budget_ms=5000,
+        onnx_variants=False,
+        metrics_port=0,
+        max_batch_size=32,
+    )
+    with server:
+        by_id = asyncio.run(run(server.target))
+        port = server.server.telemetry.metrics_port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    assert sorted(by_id) == sorted(f"s{s}-{r}" for s in range(streams) for r in range(ROWS))
+    session = ort.InferenceSession(
+        str(models_root / "fraud-demo" / "1" / "model.onnx"), providers=["CPUExecutionProvider"]
+    )
+    expected = session.run(["score"], arrays)[0].reshape(-1)
+    for request_id, reply in by_id.items():
+        stream, row = request_id.split("-")
+        if (stream, int(row)) in bad:
+            assert "NaN" in reply.error_message and "features" in reply.error_message
+            continue
+        assert reply.error_message == ""
+        score = np.frombuffer(reply.infer_response.raw_output_contents[0], dtype="<f4")
+        np.testing.assert_allclose(score, expected[int(row)], atol=1e-6)
+
+    def counted(status: str) -> float:
+        labels = rf'[^}}]*method="ModelStreamInfer"[^}}]*status="{status}"[^}}]*'
+        pattern = rf"riskserve_requests_total\{{{labels}\}} ([0-9.e+]+)"
+        return sum(float(m) for m in re.findall(pattern, text))
+
+    assert counted("OK") == streams * ROWS - len(bad)
+    assert counted("INVALID_ARGUMENT") == len(bad)
