@@ -28,8 +28,8 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,15 @@ from bench.perf_analyzer import PerfAnalyzer, PerfPlan
 from bench.results import PointResult
 from bench.servers import ServerProcess
 
-__all__ = ["Point", "best_point", "main", "perf_points", "point_row"]
+__all__ = [
+    "Point",
+    "add_sweep_arguments",
+    "best_point",
+    "main",
+    "perf_points",
+    "point_row",
+    "started_servers",
+]
 
 SERVERS = ("riskserve", FLOOR, "triton")
 MODES = ("unary", "streaming")
@@ -338,16 +346,18 @@ def _targets(rows: dict[str, dict], client: Sequence[Point]) -> list[str]:
     return lines
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated")
+def add_sweep_arguments(
+    parser: argparse.ArgumentParser, servers: Sequence[str], concurrency: Sequence[int]
+) -> None:
+    """The options of a perf_analyzer sweep over servers (`perf_points`), with their defaults."""
+    parser.add_argument("--servers", default=",".join(servers), help="comma-separated")
     parser.add_argument(
         "--concurrency",
         type=lambda t: [int(x) for x in t.split(",")],
-        default=[1, 4, 8, 16, 32, 64],
+        default=list(concurrency),
         help="perf_analyzer's sweep",
     )
-    parser.add_argument("--at", type=int, default=16, help="the concurrency the table shows")
+    parser.add_argument("--at", type=int, default=16, help="the concurrency the summary compares")
     parser.add_argument("--p99-ms", type=float, default=10.0)
     parser.add_argument("--history-len", type=int, default=32)
     parser.add_argument("--window-s", type=float, default=1.5)
@@ -355,22 +365,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ramp-s", type=float, default=1.0, help="CPU counts from here")
     parser.add_argument("--cooldown-s", type=float, default=0.5)
     parser.add_argument("--budget-ms", type=float, default=1000.0, help="riskserve's budget")
-    parser.add_argument("--callers", type=int, default=64, help="riskclient's callers")
-    parser.add_argument("--client-duration-s", type=float, default=5.0)
-    parser.add_argument("--no-client", action="store_true", help="skip part 2")
     parser.add_argument(
         "--point-timeout-s", type=float, default=60.0, help="a perf_analyzer run's time limit"
     )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_sweep_arguments(parser, SERVERS, (1, 4, 8, 16, 32, 64))
+    parser.add_argument("--callers", type=int, default=64, help="riskclient's callers")
+    parser.add_argument("--client-duration-s", type=float, default=5.0)
+    parser.add_argument("--no-client", action="store_true", help="skip part 2")
     args = parser.parse_args(argv)
     if args.at not in args.concurrency:
         args.concurrency = sorted({*args.concurrency, args.at})
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    knobs: Knobs = replace(riskserve_knobs(args.budget_ms))
-    points: list[Point] = []
+def started_servers(
+    args: argparse.Namespace, log_prefix: str
+) -> Iterator[tuple[str, ServerProcess]]:
+    """Each of `args.servers` in turn, started (riskserve with `args.budget_ms`) and stopped
+    once the caller is done with it; one that cannot run here is skipped with its reason."""
+    knobs: Knobs = riskserve_knobs(args.budget_ms)
     for name in args.servers.split(","):
         try:
             spec = server_spec(name, DEMO_MODEL_PATH, knobs)
@@ -378,11 +395,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{name}] skipped: {exc}")
             continue
         print(f"[{name}]")
-        log = RESULTS_DIR / f"streaming_{name}.log"
-        with ServerProcess(spec, log) as server:
-            points += perf_points(server, name, args)
-            if name == "riskserve" and not args.no_client:
-                points += client_points(server, args)
+        with ServerProcess(spec, RESULTS_DIR / "logs" / f"{log_prefix}_{name}.log") as server:
+            yield name, server
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    points: list[Point] = []
+    for name, server in started_servers(args, "streaming"):
+        points += perf_points(server, name, args)
+        if name == "riskserve" and not args.no_client:
+            points += client_points(server, args)
     summary = summarize(points, args)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / "streaming.json"

@@ -24,10 +24,16 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 
-from bench.compare import FLOOR_ENGINE, RESULTS_DIR, Knobs, Skip, riskserve_knobs, server_spec
-from bench.model_io import DEMO_MODEL_PATH
+from bench.compare import FLOOR_ENGINE
 from bench.servers import ServerProcess, metric_sum, scrape_metrics
-from bench.streaming import Point, best_point, perf_points, point_row
+from bench.streaming import (
+    Point,
+    add_sweep_arguments,
+    best_point,
+    perf_points,
+    point_row,
+    started_servers,
+)
 
 __all__ = ["main"]
 
@@ -126,40 +132,15 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--servers", default=",".join(SERVERS), help="comma-separated")
-    parser.add_argument(
-        "--concurrency",
-        type=lambda t: [int(x) for x in t.split(",")],
-        default=[1, 2, 4, 8, 16, 32],
-        help="perf_analyzer's sweep",
-    )
-    parser.add_argument("--at", type=int, default=16, help="the callers the targets compare at")
-    parser.add_argument("--p99-ms", type=float, default=10.0)
-    parser.add_argument("--history-len", type=int, default=32)
-    parser.add_argument("--window-s", type=float, default=1.5)
-    parser.add_argument("--windows", type=int, default=3)
-    parser.add_argument("--ramp-s", type=float, default=1.0, help="CPU counts from here")
-    parser.add_argument("--cooldown-s", type=float, default=0.5)
-    parser.add_argument("--budget-ms", type=float, default=1000.0, help="riskserve's budget")
-    parser.add_argument(
-        "--point-timeout-s", type=float, default=60.0, help="a perf_analyzer run's time limit"
-    )
+    add_sweep_arguments(parser, SERVERS, (1, 2, 4, 8, 16, 32))
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    knobs: Knobs = riskserve_knobs(args.budget_ms)
     points: list[Point] = []
-    for name in args.servers.split(","):
-        try:
-            spec = server_spec(name, DEMO_MODEL_PATH, knobs)
-        except (Skip, FileNotFoundError) as exc:
-            print(f"[{name}] skipped: {exc}")
-            continue
-        print(f"[{name}]")
-        with ServerProcess(spec, RESULTS_DIR / "logs" / f"unary_batching_{name}.log") as server:
-            points += sweep(server, name, args)
+    for name, server in started_servers(args, "unary_batching"):
+        points += sweep(server, name, args)
     summarize(points, args)
     return 0
 
