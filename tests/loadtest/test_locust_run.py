@@ -210,6 +210,8 @@ def test_the_verdict_counts_calls_the_server_refused(tmp_path: Path) -> None:
         "RISKSERVE_BUDGET_MS": "1000",
         "RISKSERVE_MAX_REQUESTS_IN_PROGRESS": "1",  # a second call at a time is refused
         "RISKSERVE_ENGINE_INLINE_MAX_US": "0",  # batches on an engine thread: calls overlap
+        # Each call waits 5 ms for company: at 150 calls a second most overlap another.
+        "RISKSERVE_MAX_QUEUE_DELAY_US": "5000",
         **_small_sequence_model(tmp_path / "models"),
     }
     command = [
