@@ -7,12 +7,23 @@ broke) the next stream opens at once, waiting for the server to be ready; the re
 were sent and not answered are sent again on it (`resend_unanswered=True`) or fail with
 UNAVAILABLE. A request whose `timeout_s` passes fails with DEADLINE_EXCEEDED, and the server is
 told the same budget in the message's `timeout_us`.
+
+A window bounds the requests on the stream unanswered; the rest wait in the client, where one
+whose timeout passes fails without having cost the server anything. A stream passes the front's
+per-worker limit and queue (docs/reliability.md), so the window is what keeps many callers on
+one stream from piling more on a worker than it answers in time. How many that is depends on
+the server's speed and the deadline, so the window adapts (additive increase, multiplicative
+decrease, as TCP's congestion window): it grows by one a window's worth of answers that came
+within half their timeout, and halves, at most once a window's worth of answers, when one comes
+later, fails as overloaded or late, or times out on the stream; it stays within 1 and
+`max_in_flight`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import os
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -25,24 +36,38 @@ from riskclient._throttle import AdaptiveThrottle
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
-__all__ = ["AsyncScoreStream"]
+__all__ = ["DEFAULT_MAX_IN_FLIGHT", "AsyncScoreStream"]
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
+# The most requests a stream carries unanswered at once when not told otherwise, and where its
+# window starts (the front's calls a worker, service.front.DEFAULT_WORKER_CALLS).
+DEFAULT_MAX_IN_FLIGHT = 64
+_FIRST_WINDOW = 8.0
+# Answers that say the server is past what it answers in time.
+_OVERLOADED = frozenset({_RESOURCE_EXHAUSTED, _DEADLINE_EXCEEDED, _UNAVAILABLE})
 
 
 class _Pending:
     """A request on its way: its future, whether the current stream took it, its timer."""
 
-    __slots__ = ("future", "request", "sent", "timer")
+    __slots__ = ("future", "request", "sent", "sent_at", "soon_s", "timer")
 
-    def __init__(self, request: pb.ScoreRequest, future: asyncio.Future[pb.ScoreResponse]):
+    def __init__(
+        self,
+        request: pb.ScoreRequest,
+        future: asyncio.Future[pb.ScoreResponse],
+        timeout_s: float | None,
+    ):
         self.request = request
         self.future = future
         self.sent = False
+        self.sent_at = 0.0  # the loop's time when the current stream took it
+        # An answer later than this (half the timeout) shrinks the window.
+        self.soon_s = math.inf if timeout_s is None else timeout_s / 2
         self.timer: asyncio.TimerHandle | None = None
 
 
@@ -61,8 +86,15 @@ class AsyncScoreStream:
         resend_unanswered: bool = False,
         timeout_s: float | None = None,
         throttle: AdaptiveThrottle | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self._stub = pb_grpc.RiskScoringStub(channel)
+        self.max_in_flight = max_in_flight
+        self._on_stream = 0  # requests the current stream has sent and not had answered
+        self._window = min(_FIRST_WINDOW, float(max_in_flight))
+        self._since_cut = 0  # answers since the window last halved
         self.throttle = throttle
         self._metadata = tuple(metadata)
         self.resend_unanswered = resend_unanswered
@@ -123,7 +155,7 @@ class AsyncScoreStream:
         if self.throttle is not None and not self.throttle.allow():
             raise ScoringError(_RESOURCE_EXHAUSTED, self.throttle.refusal(), request_id)
         loop = asyncio.get_running_loop()
-        pending = _Pending(message, loop.create_future())
+        pending = _Pending(message, loop.create_future(), timeout_s)
         self._pending[request_id] = pending
         if timeout_s is not None:
             pending.timer = loop.call_later(timeout_s, self._expire, request_id)
@@ -189,6 +221,7 @@ class AsyncScoreStream:
             answered = self.answered
             code, details = await self._one_stream()
             self._generation += 1
+            self._on_stream = 0
             self._after_stream(code, details)
             if self.answered > answered or code is grpc.StatusCode.OK:
                 backoff_s = _FIRST_BACKOFF_S
@@ -197,7 +230,25 @@ class AsyncScoreStream:
                 await asyncio.sleep(backoff_s)
                 backoff_s = min(backoff_s * 2, _MAX_BACKOFF_S)
 
+    @property
+    def window(self) -> int:
+        """Requests the stream may carry unanswered now."""
+        return int(self._window)
+
+    def _adapt(self, late: bool) -> None:
+        """One answer came back: grow the window, or halve it where the answer was late."""
+        self._since_cut += 1
+        if late:
+            if self._since_cut >= self._window:
+                self._window = max(1.0, self._window / 2)
+                self._since_cut = 0
+        else:
+            self._window = min(float(self.max_in_flight), self._window + 1 / self._window)
+        if self._on_stream < int(self._window):
+            self._wake()  # a place on the stream is free
+
     async def _one_stream(self) -> tuple[grpc.StatusCode, str]:
+        loop = asyncio.get_running_loop()
         call = self._stub.ScoreStream(
             self._requests(self._generation), metadata=self._metadata, wait_for_ready=True
         )
@@ -206,10 +257,14 @@ class AsyncScoreStream:
         try:
             async for reply in call:
                 self.answered += 1
+                self._on_stream -= 1
                 entry = pending.pop(reply.request_id, None)
                 if entry is None or entry.future.done():
-                    continue  # timed out already
+                    self._adapt(late=True)  # timed out already
+                    continue
                 status = reply.status
+                late = status.code and status_code(status.code) in _OVERLOADED
+                self._adapt(late or loop.time() - entry.sent_at > entry.soon_s)
                 if status.code:
                     entry.future.set_exception(
                         ScoringError(status_code(status.code), status.message, reply.request_id)
@@ -258,15 +313,17 @@ class AsyncScoreStream:
             if call.done():
                 return
         while generation == self._generation:
-            while outbox:
+            while outbox and self._on_stream < int(self._window):
                 pending = outbox.popleft()
                 if pending.future.done():
                     continue  # timed out while queued
                 pending.sent = True
+                pending.sent_at = loop.time()
+                self._on_stream += 1
                 yield pending.request
                 if generation != self._generation:
                     return
-            if self._closing:
+            if self._closing and not outbox:
                 return
             self._wake_sender = loop.create_future()
             await self._wake_sender

@@ -1,14 +1,16 @@
-"""AsyncRiskClient's calls share one ScoreStream once they overlap; alone they stay unary."""
+"""With shared_stream=True, AsyncRiskClient's calls share one ScoreStream once they overlap;
+alone they stay unary. By default every call is unary."""
 
 from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 from liveserver import LiveServer
 from modelkit import sequence_request, write_sequence_model
 
-from riskclient import AsyncRiskClient
+from riskclient import AsyncRiskClient, AsyncScoreStream
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,7 @@ def live(tmp_path_factory):
 
 def test_calls_one_at_a_time_are_unary(live):
     async def shared() -> object:
-        async with AsyncRiskClient(live.target) as client:
+        async with AsyncRiskClient(live.target, shared_stream=True) as client:
             for i in range(5):
                 assert (await client.score(sequence_request(i, 3))).request_id == f"q{i}"
             return client.shared
@@ -31,7 +33,7 @@ def test_calls_one_at_a_time_are_unary(live):
 
 def test_concurrent_calls_share_one_stream_and_keep_it(live):
     async def run() -> tuple[list[str], int, int, bool]:
-        async with AsyncRiskClient(live.target) as client:
+        async with AsyncRiskClient(live.target, shared_stream=True) as client:
             replies = await asyncio.gather(
                 *(client.score(sequence_request(i, 3)) for i in range(32))
             )
@@ -52,7 +54,7 @@ def test_concurrent_calls_share_one_stream_and_keep_it(live):
 
 def test_a_request_id_already_on_the_stream_is_sent_unary(live):
     async def run() -> tuple[list[str], int]:
-        async with AsyncRiskClient(live.target) as client:
+        async with AsyncRiskClient(live.target, shared_stream=True) as client:
             same = sequence_request(7, 3)
             replies = await asyncio.gather(*(client.score(same) for _ in range(3)))
             assert client.shared is not None
@@ -64,9 +66,9 @@ def test_a_request_id_already_on_the_stream_is_sent_unary(live):
     assert streamed == 1
 
 
-def test_the_shared_stream_can_be_turned_off(live):
+def test_by_default_concurrent_calls_are_unary(live):
     async def shared() -> object:
-        async with AsyncRiskClient(live.target, shared_stream=False) as client:
+        async with AsyncRiskClient(live.target) as client:
             replies = await asyncio.gather(
                 *(client.score(sequence_request(i, 3)) for i in range(16))
             )
@@ -74,3 +76,48 @@ def test_the_shared_stream_can_be_turned_off(live):
             return client.shared
 
     assert asyncio.run(shared()) is None
+
+
+def test_a_stream_carries_at_most_its_window_unanswered(live):
+    async def run() -> tuple[int, list[str]]:
+        most = 0
+        async with AsyncRiskClient(live.target) as client:
+            stream = client.stream(max_in_flight=2)
+            calls = asyncio.gather(*(stream.score(sequence_request(i, 3)) for i in range(20)))
+            while not calls.done():
+                most = max(most, stream.sent_unanswered)
+                await asyncio.sleep(0)
+            replies = await calls
+            await stream.close()
+        return most, [r.request_id for r in replies]
+
+    most, ids = asyncio.run(run())
+    assert ids == [f"q{i}" for i in range(20)]
+    assert 1 <= most <= 2  # the window starts above 2: the cap holds it
+
+
+def test_the_window_halves_on_late_answers_and_grows_on_prompt_ones():
+    async def windows() -> list[int]:
+        async with grpc.aio.insecure_channel("127.0.0.1:9") as channel:
+            stream = AsyncScoreStream(channel, max_in_flight=32)
+            seen = [stream.window]
+            for _ in range(8):  # a window's worth of late answers: halved once
+                stream._adapt(late=True)
+            seen.append(stream.window)
+            for _ in range(3):  # fewer than a window's worth since: not again
+                stream._adapt(late=True)
+            seen.append(stream.window)
+            stream._adapt(late=True)  # a window's worth (4) since the cut: halved
+            seen.append(stream.window)
+            for _ in range(100):  # prompt answers: one more a window's worth
+                stream._adapt(late=False)
+            seen.append(stream.window)
+            for _ in range(10_000):
+                stream._adapt(late=False)
+            seen.append(stream.window)
+        return seen
+
+    first, halved, held, again, grown, capped = asyncio.run(windows())
+    assert (first, halved, held, again) == (8, 4, 4, 2)
+    assert 2 < grown < 32
+    assert capped == 32
