@@ -43,9 +43,9 @@ _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
 _RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
-# The most requests a stream carries unanswered at once when not told otherwise, and where its
-# window starts (the front's calls a worker, service.front.DEFAULT_WORKER_CALLS).
+# The most requests a stream carries unanswered at once when not told otherwise.
 DEFAULT_MAX_IN_FLIGHT = 64
+# Where the window starts: the front's calls a worker (service.front.DEFAULT_WORKER_CALLS).
 _FIRST_WINDOW = 8.0
 # Answers that say the server is past what it answers in time.
 _OVERLOADED = frozenset({_RESOURCE_EXHAUSTED, _DEADLINE_EXCEEDED, _UNAVAILABLE})
