@@ -53,7 +53,9 @@ REFUSED = {
     ".venv/bin/riskserve build-engines models/fraud-demo/1": "TensorRT",
 }
 PAGES = ("README.md", "docs/shadow.md")
-LOADTEST_TIME = "5s"  # `make loadtest` reads LOADTEST_TIME from the environment
+# `make loadtest` reads LOADTEST_TIME from the environment. Long enough that the server's first
+# second (new shapes, cold caches) is not the p99 the run's verdict holds to the budget.
+LOADTEST_TIME = "10s"
 
 
 def commands(page: str) -> Iterator[str]:
