@@ -361,7 +361,7 @@ class _StreamJob:
         task.add_done_callback(self._scored)
 
     def _scored(self, task: asyncio.Task[Scored]) -> None:
-        model, telemetry, tracing = self.model, self.telemetry, self.tracing
+        model = self.model
         try:
             scored = task.result()
         except ServiceError as exc:
@@ -379,36 +379,31 @@ class _StreamJob:
             batch.links.extend((t.trace_id, t.span_id) for t in self.traces if t is not None)
         served = model.score.served_name
         scores = scored.scores
-        now_ns = time.monotonic_ns()
-        durations: list[float] = []
-        kept: list[SpanContext | None] = []
         start = 0
         for arrival, rows, trace in zip(self.arrivals, self.rows, self.traces, strict=True):
             end = start + rows
             reply = encode_infer_response(arrival.request, model.version, served, scores[start:end])
             arrival.answer(oip.ModelStreamInferResponse(infer_response=reply))
             start = end
-            durations.append((now_ns - arrival.received_ns) / 1e9)
             if trace is not None:
                 trace_scored(trace, model.name, model.version, scored)
-            kept.append(_ended(tracing, trace, grpc.StatusCode.OK))
-        if telemetry is not None:
-            telemetry.metrics.observe_requests(
-                model.name, model.version, scored.engine, "OK", durations, kept, _STREAM_METHOD
-            )
+        self._record(grpc.StatusCode.OK, scored.engine)
 
     def _failed(self, code: grpc.StatusCode, details: str) -> None:
-        now_ns = time.monotonic_ns()
-        telemetry, tracing = self.telemetry, self.tracing
-        durations: list[float] = []
-        kept: list[SpanContext | None] = []
-        for arrival, trace in zip(self.arrivals, self.traces, strict=True):
+        for arrival in self.arrivals:
             arrival.fail(code, details)
-            durations.append((now_ns - arrival.received_ns) / 1e9)
-            kept.append(_ended(tracing, trace, code))
-        if telemetry is not None:
-            telemetry.metrics.observe_requests(
-                self.model.name, self.model.version, "", code.name, durations, kept, _STREAM_METHOD
+        self._record(code, "")
+
+    def _record(self, code: grpc.StatusCode, engine: str) -> None:
+        """End the answered messages' traces and count them, all with status `code`."""
+        now_ns = time.monotonic_ns()
+        tracing = self.tracing
+        durations = [(now_ns - arrival.received_ns) / 1e9 for arrival in self.arrivals]
+        kept = [_ended(tracing, trace, code) for trace in self.traces]
+        if self.telemetry is not None:
+            model = self.model
+            self.telemetry.metrics.observe_requests(
+                model.name, model.version, engine, code.name, durations, kept, _STREAM_METHOD
             )
 
 

@@ -315,7 +315,6 @@ class _Stream(Generic[Req, Resp]):
         self._per_message = method.per_message
         self._error_reply = method.error_reply
         self._message_budget = method.message_budget
-        self._per_batch = method.per_batch
         self._loop = asyncio.get_running_loop()
         self._answers: deque[Resp] = deque()
         self._scoring: set[_Message[Req, Resp]] = set()
@@ -368,7 +367,7 @@ class _Stream(Generic[Req, Resp]):
         # Messages read here start in copies of this task's context: none waits for company.
         ARRIVES_ALONE.set(False)
         limit = self._streams.max_in_flight
-        per_batch, arrive = self._per_batch, self._streams.arrive
+        per_batch, arrive = self._method.per_batch, self._streams.arrive
         try:
             async for request in self._requests:
                 self._unwritten += 1

@@ -94,6 +94,13 @@ def histogram_views() -> list[View]:
     ]
 
 
+def _exemplar(kept_trace: trace.SpanContext | None) -> Context:
+    """The context a request's histogram record carries: its span where its trace was kept."""
+    if kept_trace is None:
+        return _NO_CONTEXT
+    return trace.set_span_in_context(trace.NonRecordingSpan(kept_trace))
+
+
 class Metrics:
     """What the handlers, batcher and shadow path record. Safe to call from any thread.
 
@@ -198,14 +205,9 @@ class Metrics:
 
         `kept_trace` is the request's span where its trace was exported (the exemplar).
         """
-        context = _NO_CONTEXT
-        if kept_trace is not None:
-            context = trace.set_span_in_context(trace.NonRecordingSpan(kept_trace))
         attributes = {"method": method, "model": model, "version": version, "engine": engine}
-        self._request_s.record(duration_s, attributes, context)
-        key = (method, model, version, engine, status)
-        with self._counts_lock:
-            self._request_counts[key] = self._request_counts.get(key, 0) + 1
+        self._request_s.record(duration_s, attributes, _exemplar(kept_trace))
+        self._count_requests((method, model, version, engine, status), 1)
         self._live.windows["end_to_end"].observe(duration_s)
 
     def observe_requests(
@@ -223,14 +225,13 @@ class Metrics:
         attributes = {"method": method, "model": model, "version": version, "engine": engine}
         record, window = self._request_s.record, self._live.windows["end_to_end"]
         for duration_s, kept in zip(durations_s, kept_traces, strict=True):
-            context = _NO_CONTEXT
-            if kept is not None:
-                context = trace.set_span_in_context(trace.NonRecordingSpan(kept))
-            record(duration_s, attributes, context)
+            record(duration_s, attributes, _exemplar(kept))
             window.observe(duration_s)
-        key = (method, model, version, engine, status)
+        self._count_requests((method, model, version, engine, status), len(durations_s))
+
+    def _count_requests(self, key: tuple[str, str, str, str, str], n: int) -> None:
         with self._counts_lock:
-            self._request_counts[key] = self._request_counts.get(key, 0) + len(durations_s)
+            self._request_counts[key] = self._request_counts.get(key, 0) + n
 
     def observe_queue_waits(self, model: str, version: str, durations_s: list[float]) -> None:
         """How long each request of one executed batch waited for it.
