@@ -1,4 +1,4 @@
-"""A Python client for riskserve: unary and batch calls, and one stream shared by many callers.
+"""A Python client for riskserve: unary and batch calls, and streams shared by many callers.
 
     from riskclient import AsyncRiskClient
 

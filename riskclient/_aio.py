@@ -1,7 +1,8 @@
-"""The asyncio client: unary calls, batches, and the shared stream."""
+"""The asyncio client: unary calls, batches, and the streams concurrent calls share."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from typing import Any
 
@@ -14,32 +15,45 @@ from riskclient._stream import DEFAULT_MAX_IN_FLIGHT, AsyncScoreStream
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
-__all__ = ["AsyncRiskClient"]
+__all__ = ["SHARED_STREAMS", "AsyncRiskClient"]
+
+# The most ScoreStreams concurrent calls share (see AsyncRiskClient).
+SHARED_STREAMS = 4
 
 
 class AsyncRiskClient(ClientBase):
     """Scores requests on a riskserve from asyncio code.
 
-    Create and use it inside one running event loop. With `shared_stream=True`, concurrent
-    `score()` calls share one ScoreStream: the first time a call is made while another is in
-    flight, the client opens the stream, and from then on every `score()` goes on it until
-    `close()`. A streamed request costs the server less than a unary call (330 against 462 µs
-    of CPU at 64 callers, docs/benchmarks.md, "Streaming"). The stream carries an adaptive
-    window of requests unanswered (`AsyncScoreStream`); the rest wait here. Calls made one at
-    a time stay unary calls, and so does a call whose request_id is already in flight on the
-    stream. It is off by default: a stream passes the front's per-worker limit and queue, and
-    beyond capacity 64 callers on the shared stream got 0.54 to 0.72 of a one-core worker's
-    capacity answered in time, against 1.2 with unary calls the front admits or refuses
-    (`bench.overload`). Behind the front with several workers, a stream also stays on the
-    worker it reached.
+    Create and use it inside one running event loop. Concurrent `score()` calls share
+    ScoreStreams (`shared_stream`, on by default): a call made while none is in flight is a
+    unary call; once calls overlap, each goes on the open stream with the fewest requests in
+    flight, and the client opens another, up to `shared_streams` (4), where each already
+    carries one. The streams stay open until `close()`. A streamed request costs the server
+    less than a unary call (258 against 393 µs of CPU at 64 callers, docs/benchmarks.md,
+    "Streaming"). Each stream carries an adaptive window of requests unanswered
+    (`AsyncScoreStream`); the rest wait here, each for at most a quarter of its timeout. Beyond
+    a one-core worker's capacity, 64 callers got 2,744 answers a second in time on four shared
+    streams, 2.7 times its unary capacity, where unary calls the front admits or refuses got
+    1,200 (docs/benchmarks.md, "Overload"). Several streams, not one: the client reads a
+    stream's answers one a turn of its event loop, and behind the front each stream stays on
+    the worker it reached. A call whose request_id is already in flight on a stream is a
+    unary call.
     """
 
     def __init__(
-        self, target: str | None = None, *, shared_stream: bool = False, **settings: Any
+        self,
+        target: str | None = None,
+        *,
+        shared_stream: bool = True,
+        shared_streams: int = SHARED_STREAMS,
+        **settings: Any,
     ) -> None:
+        if shared_streams < 1:
+            raise ValueError("shared_streams must be at least 1")
         self.shared_stream = shared_stream
+        self.shared_streams = shared_streams
         self._calls = 0  # score() calls in flight
-        self._shared: AsyncScoreStream | None = None
+        self._shared: list[AsyncScoreStream] = []
         self._closed = False
         super().__init__(target, **settings)
 
@@ -54,22 +68,23 @@ class AsyncRiskClient(ClientBase):
         await self.close()
 
     @property
-    def shared(self) -> AsyncScoreStream | None:
-        """The stream concurrent calls share, once calls have overlapped (None before)."""
-        return self._shared
+    def shared(self) -> tuple[AsyncScoreStream, ...]:
+        """The streams concurrent calls share, opened as calls overlapped (none before)."""
+        return tuple(self._shared)
 
     async def close(self) -> None:
-        """End the shared stream once its requests are answered, then the channel."""
+        """End the shared streams once their requests are answered, then the channel."""
         self._closed = True
-        shared, self._shared = self._shared, None
-        if shared is not None:
-            await shared.close()
-        await self._channel.close()
+        shared, self._shared = self._shared, []
+        try:
+            await asyncio.gather(*(stream.close() for stream in shared))
+        finally:
+            await self._channel.close()
 
     async def score(
         self, request: RequestLike, *, timeout_s: float | None = None
     ) -> pb.ScoreResponse:
-        """Score one request, on the shared stream where calls overlap (see the class) or with
+        """Score one request, on a shared stream where calls overlap (see the class) or with
         a unary call; raises ScoringError when it is not scored."""
         message = as_request(request)
         stream = self._stream_for(message.request_id)
@@ -85,13 +100,16 @@ class AsyncRiskClient(ClientBase):
         """The shared stream for a request, opened now if calls overlap; None: a unary call."""
         if not self.shared_stream or self._closed:
             return None
-        if self._shared is None:
-            if self._calls == 0:
-                return None
-            self._shared = self.stream()
-        if request_id and self._shared.carries(request_id):
+        shared = self._shared
+        if not shared and self._calls == 0:
             return None
-        return self._shared
+        if request_id and any(stream.carries(request_id) for stream in shared):
+            return None
+        least = min(shared, key=lambda stream: stream.in_flight, default=None)
+        if least is None or (least.in_flight and len(shared) < self.shared_streams):
+            least = self.stream()
+            shared.append(least)
+        return least
 
     async def _score_unary(
         self, message: pb.ScoreRequest, timeout_s: float | None

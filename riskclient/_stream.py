@@ -8,15 +8,27 @@ were sent and not answered are sent again on it (`resend_unanswered=True`) or fa
 UNAVAILABLE. A request whose `timeout_s` passes fails with DEADLINE_EXCEEDED, and the server is
 told the same budget in the message's `timeout_us`.
 
-A window bounds the requests on the stream unanswered; the rest wait in the client, where one
-whose timeout passes fails without having cost the server anything. A stream passes the front's
-per-worker limit and queue (docs/reliability.md), so the window is what keeps many callers on
-one stream from piling more on a worker than it answers in time. How many that is depends on
-the server's speed and the deadline, so the window adapts (additive increase, multiplicative
-decrease, as TCP's congestion window): it grows by one a window's worth of answers that came
-within half their timeout, and halves, at most once a window's worth of answers, when one comes
-later, fails as overloaded or late, or times out on the stream; it stays within 1 and
-`max_in_flight`.
+A window bounds the requests on the stream unanswered; the rest wait in the client. A stream
+passes the front's per-worker limit and queue (docs/reliability.md), so the window is what keeps
+many callers on one stream from piling more on a worker than it answers in time. How many that
+is depends on the server's speed and the deadline, so the window adapts (additive increase,
+multiplicative decrease, as TCP's congestion window): it grows by one a window's worth of
+answers that came within half their timeout, and halves, at most once a window's worth of
+answers, when one comes later, fails as overloaded or late, or times out on the stream; it
+stays within 1 and `max_in_flight`.
+
+A request that waits in the client for a place in the window longer than a quarter of its
+timeout fails there with RESOURCE_EXHAUSTED, never sent, as the front refuses a call that
+waited a quarter of the budget for a worker: beyond capacity the requests waiting here would
+otherwise all wait out their timeouts in turn, and none would leave early enough to be answered
+in time. The wait also paces callers that try again at once.
+
+The window is the stream's throttle: a stream never refuses a request at once, as the client's
+adaptive throttle refuses unary calls. Refused at once, callers that try again at once take the
+client's event loop, which reads the stream's answers one a turn, and answers came late for
+want of turns (docs/reliability.md). The stream tells the throttle how its sent requests ended,
+for the client's unary calls; a request that never reached the server says nothing of it and
+is not counted.
 """
 
 from __future__ import annotations
@@ -49,6 +61,9 @@ DEFAULT_MAX_IN_FLIGHT = 64
 _FIRST_WINDOW = 8.0
 # Answers that say the server is past what it answers in time.
 _OVERLOADED = frozenset({_RESOURCE_EXHAUSTED, _DEADLINE_EXCEEDED, _UNAVAILABLE})
+# The share of a request's timeout it may wait here for a place in the window (the front's
+# queue time is a quarter of the budget too: service.front.queue_timeout_ms).
+_QUEUE_SHARE = 0.25
 
 
 class _Pending:
@@ -105,6 +120,7 @@ class AsyncScoreStream:
         self._has_work: asyncio.Event | None = None
         self._runner: asyncio.Task[None] | None = None
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._opened = False  # whether the server has answered the current stream's start
         self._closing = False
         self._generation = 0
         self._ids = itertools.count()
@@ -152,13 +168,12 @@ class AsyncScoreStream:
                 message.timeout_us = max(1, int(timeout_s * 1e6))
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
-        if self.throttle is not None and not self.throttle.allow():
-            raise ScoringError(_RESOURCE_EXHAUSTED, self.throttle.refusal(), request_id)
         loop = asyncio.get_running_loop()
         pending = _Pending(message, loop.create_future(), timeout_s)
         self._pending[request_id] = pending
         if timeout_s is not None:
-            pending.timer = loop.call_later(timeout_s, self._expire, request_id)
+            wait_s = timeout_s * _QUEUE_SHARE
+            pending.timer = loop.call_later(wait_s, self._waited, request_id, wait_s, timeout_s)
         self._outbox.append(pending)
         self._wake()
         if self._runner is None:
@@ -167,7 +182,7 @@ class AsyncScoreStream:
         try:
             reply = await pending.future
         except ScoringError as exc:
-            if self.throttle is not None:
+            if self.throttle is not None and pending.sent_at:
                 self.throttle.record(exc.code)
             raise
         finally:
@@ -183,6 +198,10 @@ class AsyncScoreStream:
         """Stop taking requests, wait for those sent to be answered, and end the stream."""
         self._closing = True
         self._wake()
+        if not self._pending and self._call is not None and not self._opened:
+            # Nothing to wait for, and no server has answered the stream yet: do not wait
+            # for one to come.
+            self._call.cancel()
         runner = self._runner
         if runner is not None:
             try:
@@ -198,6 +217,26 @@ class AsyncScoreStream:
             waiting.set_result(None)
         if self._has_work is not None:
             self._has_work.set()
+
+    def _waited(self, request_id: str, waited_s: float, timeout_s: float) -> None:
+        """A quarter of a request's timeout has passed: fail it if it is still waiting here
+        while the open stream's window is full, else give it the rest of its timeout (a
+        stream still opening, or a place free that the sender has yet to fill, is no sign of
+        overload)."""
+        pending = self._pending.get(request_id)
+        if pending is None:
+            return
+        if pending.sent or not self._opened or self._on_stream < int(self._window):
+            pending.timer = asyncio.get_running_loop().call_later(
+                timeout_s - waited_s, self._expire, request_id
+            )
+            return
+        del self._pending[request_id]
+        message = (
+            f"not sent on the stream within {waited_s * 1e3:.3g} ms, a quarter of the timeout "
+            "(its window of requests unanswered was full); nothing was sent"
+        )
+        _fail(pending, ScoringError(_RESOURCE_EXHAUSTED, message, request_id))
 
     def _expire(self, request_id: str) -> None:
         pending = self._pending.pop(request_id, None)
@@ -253,6 +292,7 @@ class AsyncScoreStream:
             self._requests(self._generation), metadata=self._metadata, wait_for_ready=True
         )
         self._call = call
+        self._opened = False
         pending = self._pending
         try:
             async for reply in call:
@@ -274,6 +314,10 @@ class AsyncScoreStream:
             return await call.code(), await call.details() or ""
         except grpc.aio.AioRpcError as exc:
             return exc.code(), exc.details() or ""
+        except asyncio.CancelledError:
+            if not (self._closing and call.cancelled()):
+                raise
+            return grpc.StatusCode.CANCELLED, "closed before a server answered"
 
     def _after_stream(self, code: grpc.StatusCode, details: str) -> None:
         """Settle the requests the ended stream took and did not answer."""
@@ -312,6 +356,7 @@ class AsyncScoreStream:
             await call.initial_metadata()
             if call.done():
                 return
+            self._opened = True
         while generation == self._generation:
             while outbox and self._on_stream < int(self._window):
                 pending = outbox.popleft()

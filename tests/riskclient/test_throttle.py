@@ -112,20 +112,54 @@ def test_a_client_whose_server_does_not_answer_throttles_itself():
     assert throttle.counts() == (200, 0)
 
 
-def test_a_stream_whose_messages_all_fail_throttles_its_messages(live):
-    throttle = AdaptiveThrottle(draw=random.Random(2).random)
+def test_a_stream_refuses_nothing_itself_and_tells_the_throttle_its_failures(live):
+    """Each message reaches the server with a budget of 1 µs, which it answers as late. The
+    stream sends every one (its window is its throttle), and the throttle it tells then
+    refuses the client's unary calls."""
+    throttle = AdaptiveThrottle(draw=lambda: 0.0)
     kinds: list[str] = []
 
     async def scenario() -> None:
         client = AsyncRiskClient(live.target, throttle=throttle)
         async with client, client.stream() as stream:
-            for i in range(200):
+            for i in range(50):
+                request = sequence_request(i, 50)
+                request.timeout_us = 1
                 try:
-                    await stream.score(sequence_request(i, 50), timeout_s=1e-6)
+                    await stream.score(request, timeout_s=5)
                 except ScoringError as exc:
                     kinds.append(_outcome(exc))
+            try:
+                await client.score(sequence_request(99, 50), timeout_s=5)
+            except ScoringError as exc:
+                kinds.append(_outcome(exc))
 
     asyncio.run(scenario())
-    assert len(kinds) == 200
-    assert kinds.count("throttled") == throttle.throttled > 100
-    assert throttle.counts() == (200, 0)
+    assert kinds == ["late"] * 50 + ["throttled"]
+    assert throttle.counts() == (51, 0) and throttle.throttled == 1
+
+
+def test_requests_that_never_left_the_stream_client_are_not_counted():
+    """No server to open the stream on: each request waits in the client until its timeout
+    and fails there, unsent, and the throttle, which judges the server, never hears of it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+    throttle = AdaptiveThrottle(draw=lambda: 0.0)
+    errors: list[ScoringError] = []
+
+    async def scenario() -> None:
+        client = AsyncRiskClient(target, throttle=throttle)
+        async with client:
+            stream = client.stream()
+            for i in range(30):
+                try:
+                    await stream.score(sequence_request(i, 50), timeout_s=0.01)
+                except ScoringError as exc:
+                    errors.append(exc)
+            assert stream.in_flight == 0
+            await asyncio.wait_for(stream.close(), timeout=10)  # no wait for a server to come
+
+    asyncio.run(scenario())
+    assert [e.code for e in errors] == [LATE] * 30
+    assert throttle.counts() == (0, 0) and throttle.throttled == 0
