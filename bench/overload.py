@@ -11,8 +11,8 @@ pre-serialized) with a gRPC deadline of `--deadline-ms` (10). For each server:
   within 3 ms; right after 4C the rate drops to C/2 for 3 s, and the p99 of the calls sent from
   1 s after the drop says whether the service is back inside the budget;
 - 64 closed-loop callers, each sending its next call when the last one ends, whatever its end;
-  for riskserve also through the project's client (riskclient, the Score API, its adaptive
-  throttle on);
+  for riskserve also through the project's client (riskclient, the Score API): on its shared
+  streams (its default), then with unary calls (its adaptive throttle on);
 - whether the health service said SERVING every time it was asked (every 50 ms) under load.
 
 The servers: riskserve as `make serve` and the image run it (the HAProxy front before one
@@ -183,13 +183,19 @@ async def _closed_loop(
 
 
 async def _riskclient_loop(
-    target: str, payloads: list[bytes], callers: int, start: float, run_s: float, d: float
+    target: str,
+    payloads: list[bytes],
+    callers: int,
+    start: float,
+    run_s: float,
+    d: float,
+    shared_stream: bool,
 ) -> Calls:
     from riskclient import AsyncRiskClient, ScoringError
     from riskscoring.v1 import risk_scoring_pb2 as pb
 
     requests = [pb.ScoreRequest.FromString(p) for p in payloads]
-    async with AsyncRiskClient(target, timeout_s=d) as client:
+    async with AsyncRiskClient(target, timeout_s=d, shared_stream=shared_stream) as client:
 
         async def send(index: int) -> str:
             try:
@@ -230,11 +236,15 @@ class Client:
         args = (self.target, MODEL_INFER_METHOD, self.payload, offsets.tolist(), start)
         return self.pool.submit(_run, _open_loop, *args, self.deadline_s).result()
 
-    def closed_loop(self, callers: int, run_s: float, riskclient: bool = False) -> Calls:
+    def closed_loop(
+        self, callers: int, run_s: float, riskclient: bool = False, shared_stream: bool = True
+    ) -> Calls:
+        """`callers` calling back to back: pre-serialized ModelInfer calls, or through
+        riskclient (Score on its shared streams, or unary calls)."""
         start = time.time() + START_MARGIN_S
         if riskclient:
             args = (self.target, self.scores, callers, start, run_s, self.deadline_s)
-            return self.pool.submit(_run, _riskclient_loop, *args).result()
+            return self.pool.submit(_run, _riskclient_loop, *args, shared_stream).result()
         args2 = (self.target, MODEL_INFER_METHOD, self.payload, callers, start, run_s)
         return self.pool.submit(_run, _closed_loop, *args2, self.deadline_s).result()
 
@@ -276,6 +286,7 @@ class Row:
     overload: dict[int, str] | None = None
     closed: str = NONE
     riskclient: str = NONE
+    riskclient_unary: str = NONE
     recovery: str = NONE
     health: str = NONE
     note: str = ""
@@ -364,6 +375,13 @@ def measure(
                     ok = _ok_rate(calls, deadline_s, args.duration_s)
                     row.riskclient = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
                     log(f"  through riskclient: {row.riskclient}")
+                    time.sleep(args.cooldown_s)
+                    calls = client.closed_loop(
+                        args.callers, args.duration_s, riskclient=True, shared_stream=False
+                    )
+                    ok = _ok_rate(calls, deadline_s, args.duration_s)
+                    row.riskclient_unary = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
+                    log(f"  through riskclient, unary calls: {row.riskclient_unary}")
             row.health = "yes" if set(health.seen) == {"SERVING"} else str(dict(health.seen))
         finally:
             client.close()
@@ -421,8 +439,10 @@ def table(rows: list[Row], args: argparse.Namespace) -> str:
         + " | ".join(r.recovery for r in rows) + " |",
         f"| {args.callers} closed-loop callers, OK/s | "
         + " | ".join(r.closed for r in rows) + " |",
-        f"| {args.callers} callers through riskclient, OK/s | "
+        f"| {args.callers} callers through riskclient (shared streams, its default), OK/s | "
         + " | ".join(r.riskclient for r in rows) + " |",
+        f"| {args.callers} callers through riskclient, unary calls, OK/s | "
+        + " | ".join(r.riskclient_unary for r in rows) + " |",
         "| health SERVING throughout | " + " | ".join(r.health for r in rows) + " |",
     ]  # fmt: skip
     return "\n".join(lines)

@@ -8,7 +8,8 @@ perf_analyzer starts to its exit) divided by the requests answered meanwhile. Th
 concurrency 16 and the best rate whose p99 is within `--p99-ms`.
 
 Part 2, the project's client: `--callers` asyncio tasks scoring back to back, first as unary
-Score calls on one channel, then sharing one ScoreStream (riskclient's AsyncScoreStream).
+Score calls on one channel, then on the ScoreStreams the client shares among concurrent calls
+(its default).
 
 Servers: ``riskserve`` (batching on, budget `--budget-ms`, FP32 ONNX Runtime as the peers),
 ``grpc-floor`` (bench.rpc_floor: answers zeros, computes nothing) and ``triton`` (tritonserver
@@ -189,7 +190,7 @@ async def _callers(target: str, mode: str, callers: int, duration_s: float, requ
 
     latencies: list[float] = []
     errors = 0
-    # The client's default shares one stream among concurrent callers; unary is the option.
+    # The client's default shares a few streams among concurrent callers; unary is the option.
     async with AsyncRiskClient(target, timeout_s=5.0, shared_stream=mode == "stream") as client:
         score = client.score
         for request in requests[:callers]:  # warm the channel (and the stream)
