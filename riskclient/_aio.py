@@ -19,6 +19,7 @@ __all__ = ["SHARED_STREAMS", "AsyncRiskClient"]
 
 # The most ScoreStreams concurrent calls share (see AsyncRiskClient).
 SHARED_STREAMS = 4
+_READY = grpc.ChannelConnectivity.READY
 
 
 class AsyncRiskClient(ClientBase):
@@ -37,7 +38,8 @@ class AsyncRiskClient(ClientBase):
     1,200 (docs/benchmarks.md, "Overload"). Several streams, not one: the client reads a
     stream's answers one a turn of its event loop, and behind the front each stream stays on
     the worker it reached. A call whose request_id is already in flight on a stream is a
-    unary call.
+    unary call, and so is every call while the channel has no connection up: it fails fast
+    where the server is down, as a stream would not.
     """
 
     def __init__(
@@ -102,6 +104,10 @@ class AsyncRiskClient(ClientBase):
             return None
         shared = self._shared
         if not shared and self._calls == 0:
+            return None
+        if self._channel.get_state() is not _READY:
+            # No connection up (the server down, or being reached): a unary call fails fast
+            # with UNAVAILABLE and the throttle hears it, where a stream would wait for one.
             return None
         if request_id and any(stream.carries(request_id) for stream in shared):
             return None

@@ -4,6 +4,7 @@ them; alone they stay unary. With shared_stream=False every call is unary."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import grpc
 import pytest
@@ -40,6 +41,7 @@ def _answered(client: AsyncRiskClient) -> int:
 def test_concurrent_calls_share_the_streams_and_keep_them(live):
     async def run() -> tuple[list[str], int, int, int, bool]:
         async with AsyncRiskClient(live.target) as client:
+            await client.score(sequence_request(100, 3))  # alone, unary: connects the channel
             replies = await asyncio.gather(
                 *(client.score(sequence_request(i, 3)) for i in range(32))
             )
@@ -62,6 +64,7 @@ def test_concurrent_calls_share_the_streams_and_keep_them(live):
 def test_many_concurrent_calls_spread_over_every_stream(live):
     async def run() -> list[int]:
         async with AsyncRiskClient(live.target, shared_streams=3) as client:
+            await client.score(sequence_request(100, 3))  # alone, unary: connects the channel
             first = asyncio.create_task(client.score(sequence_request(0, 3)))  # unary, alone
             await asyncio.sleep(0)
             calls = [client.score(sequence_request(i, 3)) for i in range(1, 64)]
@@ -77,6 +80,7 @@ def test_many_concurrent_calls_spread_over_every_stream(live):
 def test_a_request_id_already_on_a_stream_is_sent_unary(live):
     async def run() -> tuple[list[str], int]:
         async with AsyncRiskClient(live.target) as client:
+            await client.score(sequence_request(100, 3))  # alone, unary: connects the channel
             same = sequence_request(7, 3)
             replies = await asyncio.gather(*(client.score(same) for _ in range(3)))
             assert client.shared
@@ -178,3 +182,25 @@ def test_a_request_kept_from_a_full_window_fails_in_a_quarter_of_its_timeout(tmp
     assert "nothing was sent" in kept.message
     assert isinstance(answered, pb.ScoreResponse) and answered.request_id == "q1"
     assert streamed == 2  # q0 and q1: q2 never reached the server
+
+
+def test_with_the_server_down_overlapping_calls_are_unary_and_fail_fast():
+    """Nothing listens: the channel never has a connection up, so no stream is opened (one
+    would wait for a server until each call's timeout) and every call is a unary call that
+    fails UNAVAILABLE, or is throttled once enough have."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+
+    async def run() -> tuple[list[str], tuple[AsyncScoreStream, ...]]:
+        async with AsyncRiskClient(target, timeout_s=30) as client:
+            outcomes = await asyncio.gather(
+                *(client.score(sequence_request(i, 3)) for i in range(40)),
+                return_exceptions=True,
+            )
+            return [o.code.name for o in outcomes if isinstance(o, ScoringError)], client.shared
+
+    codes, shared = asyncio.run(run())
+    assert len(codes) == 40 and set(codes) <= {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
+    assert "UNAVAILABLE" in codes
+    assert shared == ()
