@@ -26,9 +26,9 @@ over about eight runs; short batches go to a thread while a quarter or more coun
 run on the loop, one in sixteen goes to a thread anyway, to find out. One caller pays a thread
 hop on one batch in sixteen; 16 closed-loop callers get batches of about 3.6 requests, and the
 best rate within a 10 ms p99 was 1.3 times batching off's (docs/benchmarks.md, "Unary
-micro-batching"). A lone extra arrival does not count: two
-callers alternate batches of one, and a thread hop each would only cost them. Where a batch
-holds one row (`max_batch_rows` 1) nothing can join it, and short batches stay on the loop.
+micro-batching"). A lone extra arrival does not count: two callers alternate batches of one,
+and a thread hop each would only cost them. Where a batch holds one row (`max_batch_rows` 1)
+nothing can join it, and short batches stay on the loop.
 
 The loader turns this off (`inline_max_s=0`) for a pool holding any engine whose call can hang
 (`Engine.can_hang`: a GPU engine, or one under the watchdog), since a hung call on the loop would
@@ -578,8 +578,13 @@ class MicroBatcher:
     def _hand_off(self) -> None:
         token, running = self._start_next()
         if running is not None:
-            running.submitted = self._submitted
-            self._inbox.put((token, _parts(running.jobs)))
+            self._to_thread(token, running)
+
+    def _to_thread(self, token: int, running: _Running) -> None:
+        """Queue a started batch for an engine thread, noting the requests submitted so far
+        (`_finish` learns from them whether calls overlap)."""
+        running.submitted = self._submitted
+        self._inbox.put((token, _parts(running.jobs)))
 
     def _dispatch_next(self) -> None:
         """Start the next batch: on the event loop when it is short, else on an engine thread."""
@@ -598,8 +603,7 @@ class MicroBatcher:
             estimate_s = self.time_model.estimate_s(running.cells)
             offload = self._offload
             if estimate_s > self._inline_max_s or (offload is not None and offload.wanted()):
-                running.submitted = self._submitted
-                self._inbox.put((token, _parts(running.jobs)))
+                self._to_thread(token, running)
                 self._dispatch()  # more workers may be free
                 return
             try:
@@ -695,9 +699,8 @@ class MicroBatcher:
     def _finish(self, token: int, outcome: Scored | BaseException, done_ns: int) -> None:
         running = self._running.pop(token)
         if running.submitted >= 0 and self._offload is not None:  # it ran on a thread
-            arrived = self._submitted - running.submitted
-            together = running.jobs[0].requests if len(running.jobs) == 1 else 2
-            self._offload.ran(together > 1 or arrived > 1)
+            jobs, arrived = running.jobs, self._submitted - running.submitted
+            self._offload.ran(len(jobs) > 1 or jobs[0].requests > 1 or arrived > 1)
         try:
             self._deliver(running, outcome, done_ns)
         finally:
