@@ -364,24 +364,22 @@ def measure(
                     if factor == 4:
                         row.recovery = recovery
                         log(f"  after 4C: {recovery}")
-                time.sleep(args.cooldown_s)
-                calls = client.closed_loop(args.callers, args.duration_s)
-                ok = _ok_rate(calls, deadline_s, args.duration_s)
-                row.closed = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
-                log(f"  {args.callers} closed-loop callers: {row.closed}")
+
+                def closed(what: str, **how: bool) -> str:
+                    """`args.callers` closed-loop callers after a cooldown: OK/s, as of C."""
+                    time.sleep(args.cooldown_s)
+                    calls = client.closed_loop(args.callers, args.duration_s, **how)
+                    ok = _ok_rate(calls, deadline_s, args.duration_s)
+                    cell = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
+                    log(f"  {what}: {cell}")
+                    return cell
+
+                row.closed = closed(f"{args.callers} closed-loop callers")
                 if spec.name.startswith("riskserve"):
-                    time.sleep(args.cooldown_s)
-                    calls = client.closed_loop(args.callers, args.duration_s, riskclient=True)
-                    ok = _ok_rate(calls, deadline_s, args.duration_s)
-                    row.riskclient = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
-                    log(f"  through riskclient: {row.riskclient}")
-                    time.sleep(args.cooldown_s)
-                    calls = client.closed_loop(
-                        args.callers, args.duration_s, riskclient=True, shared_stream=False
+                    row.riskclient = closed("through riskclient", riskclient=True)
+                    row.riskclient_unary = closed(
+                        "through riskclient, unary calls", riskclient=True, shared_stream=False
                     )
-                    ok = _ok_rate(calls, deadline_s, args.duration_s)
-                    row.riskclient_unary = f"{ok:,.0f} ({ok / row.capacity_rps:.2f} C)"
-                    log(f"  through riskclient, unary calls: {row.riskclient_unary}")
             row.health = "yes" if set(health.seen) == {"SERVING"} else str(dict(health.seen))
         finally:
             client.close()
