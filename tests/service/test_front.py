@@ -31,6 +31,7 @@ from service.front import (
     BUSY_MESSAGE,
     FrontTLS,
     find_haproxy,
+    front_threads,
     haproxy_config,
     queue_timeout_ms,
     write,
@@ -55,6 +56,15 @@ def test_the_config_holds_each_worker_to_its_calls_and_sheds_after_a_quarter_of_
     assert "errorfile 503 /x/busy.http" in text and "balance leastconn" in text
     with pytest.raises(ValueError):
         haproxy_config(settings, [], Path("busy.http"))
+
+
+def test_the_front_runs_a_thread_for_each_eight_workers():
+    settings = Settings(port=6051)
+    for workers, threads in ((1, 1), (2, 1), (8, 1), (9, 2), (32, 4)):
+        addresses = [f"127.0.0.1:{7001 + i}" for i in range(workers)]
+        text = haproxy_config(settings, addresses, Path("/x/busy.http"))
+        assert front_threads(workers) == threads
+        assert f"\n    nbthread {threads}\n" in text, (workers, text.splitlines()[:4])
 
 
 @pytest.fixture()
