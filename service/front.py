@@ -77,9 +77,10 @@ _CONTROL_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _MAX_CONNECTIONS = 4096
 # Workers one HAProxy thread serves. A thread forwards a call for about 60 µs of CPU, and a
 # Python worker answers at most about 1,500 calls a second, so one thread keeps up with ten of
-# them. More threads than needed cost more than they give: a call queued on one thread and
-# dequeued by another (its worker's answer came in there) is handed between them, and with two
-# threads and the queue in use the front took 120 to 190 µs a call instead of 60.
+# them; eight leave it room. More threads than needed cost more than they give: a call queued
+# on one thread and dequeued by another (its worker's answer came in there) is handed between
+# them, and with two threads and the queue in use the front took 120 to 225 µs a call instead
+# of 60 (docs/benchmarks.md, "Overload").
 WORKERS_PER_FRONT_THREAD = 8
 
 
