@@ -4,7 +4,10 @@ Part 1, perf_analyzer (batch-1 requests on the demo model): for each server, una
 and then ModelStreamInfer (``--streaming``), a closed-loop concurrency sweep. Each point gives
 perf_analyzer's req/s and client p99, and the server's CPU per request: its CPU time (every
 process of its group, from /proc) over the steady part of the run (from `--ramp-s` after
-perf_analyzer starts to its exit) divided by the requests answered meanwhile. The table shows
+perf_analyzer starts to its exit) divided by the requests answered meanwhile, and that of the
+server's own process split by thread: its main thread (a Python server's event loop),
+riskserve's engine threads, and the others (gRPC's poller and event-engine threads; Triton's
+every thread but its main one, its Python backend's processes not counted). The table shows
 concurrency 16 and the best rate whose p99 is within `--p99-ms`.
 
 Part 2, the project's client: `--callers` asyncio tasks scoring back to back, first as unary
@@ -30,8 +33,9 @@ import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -72,6 +76,8 @@ class Point:
     note: str = ""
     # Both the server's CPU and the client's, and the kernel's: the whole machine's busy time.
     machine_cpu_us_per_request: float = math.nan
+    # The server process's CPU by thread (`THREAD_KINDS`), µs a request; empty where unknown.
+    threads_us: dict[str, float] = field(default_factory=dict)
 
 
 def _machine_busy_s() -> float:
@@ -80,14 +86,49 @@ def _machine_busy_s() -> float:
     return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
-def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, float, float]:
-    """Run `run()`; the server's CPU seconds per second from `ramp_s` after it starts to its
-    end, and the whole machine's busy seconds per second over the same span."""
-    marks: dict[str, float] = {}
+# The threads of a server process, by what runs there: its main thread (a Python server's
+# event loop), riskserve's engine threads (named `engine-<model>-<version>-<i>`, cut to the 15
+# bytes the OS keeps) and the rest (gRPC's poller and event-engine threads, Triton's own).
+THREAD_KINDS = ("main", "engine", "other")
+
+
+def _thread_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds the process `pid`'s live threads have used so far, by `THREAD_KINDS` (Linux;
+    empty elsewhere or once the process is gone)."""
+    try:
+        threads = psutil.Process(pid).threads()
+    except (psutil.Error, AttributeError):
+        return {}
+    seconds = dict.fromkeys(THREAD_KINDS, 0.0)
+    for thread in threads:
+        kind = "main"
+        if thread.id != pid:
+            try:
+                name = Path(f"/proc/{pid}/task/{thread.id}/comm").read_text().strip()
+            except OSError:
+                continue  # ended while we looked
+            kind = "engine" if name.startswith("engine-") else "other"
+        seconds[kind] += thread.user_time + thread.system_time
+    return seconds
+
+
+@dataclass
+class _Usage:
+    """A server's CPU over a span: per second of it, in all, by thread and on the machine."""
+
+    server_per_s: float = math.nan
+    machine_per_s: float = math.nan
+    threads_per_s: dict[str, float] = field(default_factory=dict)
+
+
+def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, _Usage]:
+    """Run `run()`; the server's CPU from `ramp_s` after it starts to its end, and the whole
+    machine's busy time over the same span, each per second of the span."""
+    marks: dict[str, Any] = {}
 
     def mark() -> None:
         marks["t0"], marks["c0"] = time.monotonic(), server.cpu_seconds()
-        marks["m0"] = _machine_busy_s()
+        marks["m0"], marks["threads"] = _machine_busy_s(), _thread_seconds(server.pid)
 
     timer = threading.Timer(ramp_s, mark)
     timer.start()
@@ -96,10 +137,16 @@ def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, floa
     finally:
         timer.cancel()
     end_t, end_cpu, end_busy = time.monotonic(), server.cpu_seconds(), _machine_busy_s()
+    end_threads = _thread_seconds(server.pid)
     if "t0" not in marks or end_t - marks["t0"] < 0.5:
-        return result, math.nan, math.nan
+        return result, _Usage()
     span = end_t - marks["t0"]
-    return result, (end_cpu - marks["c0"]) / span, (end_busy - marks["m0"]) / span
+    threads = {
+        kind: (end_threads[kind] - marks["threads"][kind]) / span
+        for kind in THREAD_KINDS
+        if kind in end_threads and kind in marks["threads"]
+    }
+    return result, _Usage((end_cpu - marks["c0"]) / span, (end_busy - marks["m0"]) / span, threads)
 
 
 def perf_points(
@@ -123,11 +170,11 @@ def perf_points(
         )
         with PerfAnalyzer(plan, server_label=name) as analyzer:
             for concurrency in args.concurrency:
-                result, cpu_per_s, busy_per_s = _cpu_during(
+                result, usage = _cpu_during(
                     server, args.ramp_s, lambda c=concurrency: analyzer.run_point("concurrency", c)
                 )
                 assert isinstance(result, PointResult)
-                point = _point(name, mode, concurrency, result, cpu_per_s, busy_per_s)
+                point = _point(name, mode, concurrency, result, usage)
                 log(point_row(point))
                 points.append(point)
                 time.sleep(args.cooldown_s)
@@ -141,11 +188,9 @@ def _point(
     mode: str,
     concurrency: int,
     result: PointResult,
-    cpu_per_s: float,
-    busy_per_s: float,
+    usage: _Usage,
 ) -> Point:
     rps = result.throughput_rps
-    cpu_us = cpu_per_s / rps * 1e6 if rps > 0 else math.nan
     return Point(
         name,
         mode,
@@ -153,11 +198,16 @@ def _point(
         rps,
         result.p50_ms,
         result.p99_ms,
-        cpu_us,
+        _per_request_us(usage.server_per_s, rps),
         result.errors,
         result.note if result.errors else "",
-        busy_per_s / rps * 1e6 if rps > 0 else math.nan,
+        _per_request_us(usage.machine_per_s, rps),
+        {kind: _per_request_us(per_s, rps) for kind, per_s in usage.threads_per_s.items()},
     )
+
+
+def _per_request_us(per_s: float, rps: float) -> float:
+    return per_s / rps * 1e6 if rps > 0 else math.nan
 
 
 # Part 2: the project's client.
@@ -226,7 +276,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
     requests = _score_requests(256, args.history_len)
     points = []
     for mode in ("unary", "stream"):
-        result, cpu_per_s, busy_per_s = _cpu_during(
+        result, usage = _cpu_during(
             server,
             args.ramp_s,
             lambda m=mode: asyncio.run(
@@ -242,9 +292,10 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
             rps,
             result["p50_ms"],
             result["p99_ms"],
-            cpu_per_s / rps * 1e6 if rps else math.nan,
+            _per_request_us(usage.server_per_s, rps),
             result["errors"],
-            machine_cpu_us_per_request=busy_per_s / rps * 1e6 if rps else math.nan,
+            machine_cpu_us_per_request=_per_request_us(usage.machine_per_s, rps),
+            threads_us={k: _per_request_us(v, rps) for k, v in usage.threads_per_s.items()},
         )
         log(point_row(point))
         points.append(point)
@@ -261,8 +312,15 @@ def point_row(p: Point) -> str:
     return (
         f"  {p.server:<10} {p.mode:<17} c={p.concurrency:<3} {p.rps:8.0f} req/s"
         f"  p50 {p.p50_ms:6.2f}  p99 {p.p99_ms:6.2f} ms  server {p.cpu_us_per_request:5.0f} "
-        f"CPU-us/req  machine {p.machine_cpu_us_per_request:5.0f}{errors}{note}"
+        f"CPU-us/req{_threads_text(p)}  machine {p.machine_cpu_us_per_request:5.0f}{errors}{note}"
     )
+
+
+def _threads_text(p: Point) -> str:
+    """' (main 101, engine 74, other 44)': the server process's CPU a request by thread."""
+    if not p.threads_us:
+        return ""
+    return " (" + ", ".join(f"{k} {v:.0f}" for k, v in p.threads_us.items()) + ")"
 
 
 def best_point(points: Sequence[Point], p99_ms: float) -> Point | None:
@@ -288,16 +346,18 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
     c, limit = args.at, f"{args.p99_ms:g}"
     print(
         f"| server / mode | req/s at c={c} | p99 ms at c={c} | server CPU µs / request at c={c} "
-        f"| whole machine CPU µs / request at c={c} | best req/s with p99 ≤ {limit} ms (at c) |"
+        f"| of it main / engine / other threads | whole machine CPU µs / request at c={c} "
+        f"| best req/s with p99 ≤ {limit} ms (at c) |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for key, row in rows.items():
         at, best = row["at"], row["best"]
-        left = "- | - | - | -"
+        left = "- | - | - | - | -"
         if at:
+            threads = " / ".join(f"{at.threads_us[k]:,.0f}" for k in THREAD_KINDS)
             left = (
                 f"{at.rps:,.0f} | {at.p99_ms:.2f} | {at.cpu_us_per_request:,.0f} | "
-                f"{at.machine_cpu_us_per_request:,.0f}"
+                f"{threads if at.threads_us else '-'} | {at.machine_cpu_us_per_request:,.0f}"
             )
         right = f"{best.rps:,.0f} ({best.concurrency})" if best else "none"
         print(f"| {key} | {left} | {right} |")

@@ -60,7 +60,9 @@ less CPU.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import ctypes
 import heapq
 import itertools
 import logging
@@ -218,6 +220,17 @@ class _Running:
 
 
 RunBatch = Callable[[RowBatch], Scored]
+
+
+_PR_SET_NAME = 15
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread `name` (its first 15 bytes) where the OS shows thread names, so
+    `top -H`, /proc and profilers tell an engine thread from gRPC's (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def _parts(jobs: list[_Job]) -> list[RowBatch]:
@@ -680,6 +693,7 @@ class MicroBatcher:
         return token, running
 
     def _engine_thread(self) -> None:
+        _name_os_thread(threading.current_thread().name)
         loop = self._loop
         assert loop is not None
         while True:

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -86,6 +87,29 @@ def test_one_caller_runs_on_the_event_loop_but_for_a_probe_now_and_then():
     every = batcher_module._OFFLOAD_PROBE_EVERY
     alone = [(LOOP, 1)] * (every - 1) + [(THREAD, 1)]
     assert asyncio.run(runs()) == alone * 2
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="thread names: Linux only")
+def test_an_engine_thread_carries_its_name_where_the_os_shows_it(monkeypatch):
+    """`top -H`, /proc and profilers tell an engine thread from gRPC's by its name."""
+    names: list[str] = []
+
+    def engine(rows: RowBatch) -> Scored:
+        comm = Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+        names.append(comm.read_text().strip())
+        return Scored(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
+
+    async def run() -> None:
+        batcher = MicroBatcher(
+            engine, max_batch_rows=4, max_queue_rows=8, workers=1, labels=("fraud", "3")
+        )
+        batcher.start()
+        monkeypatch.setattr(batcher_module, "_OFFLOAD_PROBE_EVERY", 1)  # run it on the thread
+        await batcher.submit(_row(), time.monotonic() + 60)
+        await batcher.close(1.0)
+
+    asyncio.run(run())
+    assert names == ["engine-fraud-3-"], names  # "engine-fraud-3-0", cut to the OS's 15 bytes
 
 
 def test_overlapping_calls_move_short_batches_to_a_thread_until_they_stop(monkeypatch):
