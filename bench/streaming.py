@@ -354,7 +354,7 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
         at, best = row["at"], row["best"]
         left = "- | - | - | - | -"
         if at:
-            threads = " / ".join(f"{at.threads_us[k]:,.0f}" for k in THREAD_KINDS)
+            threads = " / ".join(f"{at.threads_us.get(k, math.nan):,.0f}" for k in THREAD_KINDS)
             left = (
                 f"{at.rps:,.0f} | {at.p99_ms:.2f} | {at.cpu_us_per_request:,.0f} | "
                 f"{threads if at.threads_us else '-'} | {at.machine_cpu_us_per_request:,.0f}"

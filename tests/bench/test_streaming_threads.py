@@ -62,3 +62,10 @@ def test_a_point_shows_its_threads_in_its_row_and_the_summary(capsys):
     assert "| riskserve streaming | 4,968 | 4.78 | 211 | 101 / 72 / 38 | 281 | 4,968 (16) |" in (
         capsys.readouterr().out
     )
+
+
+def test_a_point_without_its_threads_shows_none(capsys):
+    point = Point("triton", "unary", 16, 5050, 3.0, 5.26, 186, 0, "", 280)
+    assert "186 CPU-us/req  machine" in point_row(point)
+    summarize([point], parse_args(["--concurrency", "16"]))
+    assert "| triton unary | 5,050 | 5.26 | 186 | - | 280 | 5,050 (16) |" in capsys.readouterr().out
