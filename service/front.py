@@ -26,8 +26,6 @@ sees SERVING while the front sheds.
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import math
 import multiprocessing
@@ -45,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.config import Settings
+from service.prctl import PR_SET_PDEATHSIG, prctl
 
 __all__ = [
     "BUSY_MESSAGE",
@@ -247,9 +246,7 @@ def _front_tls(settings: Settings, directory: Path) -> FrontTLS | None:
 def _end_with_parent() -> None:
     """Have the kernel send this process SIGTERM when the process that started it dies, so a
     front killed outright leaves no worker or HAProxy holding the sockets (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _run_worker(settings: Settings, address: str) -> None:

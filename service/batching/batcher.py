@@ -60,9 +60,7 @@ less CPU.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
-import ctypes
 import heapq
 import itertools
 import logging
@@ -76,6 +74,7 @@ import numpy as np
 
 from service.batching.rows import MAX_PADDING, RowBatch
 from service.errors import DeadlineMissed, Overloaded, ScoringFailed, ServiceError, Unavailable
+from service.prctl import PR_SET_NAME, prctl
 from service.telemetry import BatchTrace, RequestTrace, Telemetry, current_request_trace
 
 __all__ = [
@@ -222,15 +221,10 @@ class _Running:
 RunBatch = Callable[[RowBatch], Scored]
 
 
-_PR_SET_NAME = 15
-
-
 def _name_os_thread(name: str) -> None:
     """Give the calling thread `name` (its first 15 bytes) where the OS shows thread names, so
     `top -H`, /proc and profilers tell an engine thread from gRPC's (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def _parts(jobs: list[_Job]) -> list[RowBatch]:
