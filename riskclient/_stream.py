@@ -261,6 +261,9 @@ class AsyncScoreStream:
             code, details = await self._one_stream()
             self._generation += 1
             self._on_stream = 0
+            # gRPC leaves a failed call's request generator waiting: wake it to see its stream
+            # is gone and end, before the next stream's generator waits in its turn.
+            self._wake()
             self._after_stream(code, details)
             if self.answered > answered or code is grpc.StatusCode.OK:
                 backoff_s = _FIRST_BACKOFF_S
@@ -370,9 +373,14 @@ class AsyncScoreStream:
                     return
             if self._closing and not outbox:
                 return
-            self._wake_sender = loop.create_future()
-            await self._wake_sender
-            self._wake_sender = None
+            wake = self._wake_sender = loop.create_future()
+            try:
+                await wake
+            finally:
+                # Only its own: a generator of an ended stream must not take the wake-up of
+                # the next stream's, which would then wait with requests queued.
+                if self._wake_sender is wake:
+                    self._wake_sender = None
 
 
 def _fail(pending: _Pending, exc: Exception) -> None:
