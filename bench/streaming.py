@@ -120,6 +120,10 @@ class _Usage:
     machine_per_s: float = math.nan
     threads_per_s: dict[str, float] = field(default_factory=dict)
 
+    def threads_us(self, rps: float) -> dict[str, float]:
+        """The CPU by thread, µs a request at `rps` requests a second."""
+        return {kind: _per_request_us(per_s, rps) for kind, per_s in self.threads_per_s.items()}
+
 
 def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, _Usage]:
     """Run `run()`; the server's CPU from `ramp_s` after it starts to its end, and the whole
@@ -202,7 +206,7 @@ def _point(
         result.errors,
         result.note if result.errors else "",
         _per_request_us(usage.machine_per_s, rps),
-        {kind: _per_request_us(per_s, rps) for kind, per_s in usage.threads_per_s.items()},
+        usage.threads_us(rps),
     )
 
 
@@ -295,7 +299,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
             _per_request_us(usage.server_per_s, rps),
             result["errors"],
             machine_cpu_us_per_request=_per_request_us(usage.machine_per_s, rps),
-            threads_us={k: _per_request_us(v, rps) for k, v in usage.threads_per_s.items()},
+            threads_us=usage.threads_us(rps),
         )
         log(point_row(point))
         points.append(point)
