@@ -57,12 +57,12 @@ _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
 # The most requests a stream carries unanswered at once when not told otherwise.
 DEFAULT_MAX_IN_FLIGHT = 64
-# Where the window starts: the front's calls a worker (service.front.DEFAULT_WORKER_CALLS).
+# Where the window starts: the front's calls a worker (service.front_limits.DEFAULT_WORKER_CALLS).
 _FIRST_WINDOW = 8.0
 # Answers that say the server is past what it answers in time.
 _OVERLOADED = frozenset({_RESOURCE_EXHAUSTED, _DEADLINE_EXCEEDED, _UNAVAILABLE})
 # The share of a request's timeout it may wait here for a place in the window (the front's
-# queue time is a quarter of the budget too: service.front.queue_timeout_ms).
+# queue time is a quarter of the budget too: service.front_limits.queue_timeout_ms).
 _QUEUE_SHARE = 0.25
 
 

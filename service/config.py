@@ -150,8 +150,9 @@ class Settings(BaseSettings):
     max_requests_in_progress: int = Field(
         0,
         ge=0,
-        description="Scoring calls one process admits at once, the rest RESOURCE_EXHAUSTED; "
-        "0 = what it finishes within the budget.",
+        description="Scoring calls one process admits at once, the rest RESOURCE_EXHAUSTED, "
+        "and the front's limit for each worker; 0 = what it finishes within the budget (the "
+        "front sizes each worker's limit from the calls it finishes, 8 at least).",
     )
     reload_interval_s: float = Field(
         0.0, ge=0, description="Scan models_dir for new versions this often; 0 disables polling."

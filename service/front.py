@@ -43,6 +43,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.config import Settings
+from service.front_limits import (
+    DEFAULT_WORKER_CALLS,
+    WorkerLimits,
+    queue_timeout_ms,
+    worker_calls,
+)
 from service.prctl import PR_SET_PDEATHSIG, prctl
 
 __all__ = [
@@ -51,14 +57,13 @@ __all__ = [
     "busy_response",
     "find_haproxy",
     "haproxy_config",
+    "queue_timeout_ms",
     "serve_with_front",
     "write",
 ]
 
 log = logging.getLogger(__name__)
 
-# Calls one worker takes at a time when max_requests_in_progress leaves it to the server.
-DEFAULT_WORKER_CALLS = 8
 BUSY_MESSAGE = "riskserve front: no worker free within the queue time; retry later"
 # Long-lived calls (streams) stay open: the front must not time them out.
 _STREAM_TIMEOUT = "1h"
@@ -81,6 +86,9 @@ _MAX_CONNECTIONS = 4096
 # them, and with two threads and the queue in use the front took 120 to 225 µs a call instead
 # of 60 (docs/benchmarks.md, "Overload").
 WORKERS_PER_FRONT_THREAD = 8
+# How often the supervising process looks at its workers and HAProxy, and sizes the workers'
+# call limits from what each finished since.
+_POLL_S = 0.2
 
 
 def busy_response(message: str = BUSY_MESSAGE) -> bytes:
@@ -93,12 +101,6 @@ def busy_response(message: str = BUSY_MESSAGE) -> bytes:
         "content-length: 0\r\n"
         "\r\n"
     ).encode()
-
-
-def queue_timeout_ms(settings: Settings) -> int:
-    """How long a call may wait in the front for a free worker: a quarter of the budget, so
-    a refusal reaches its caller within 3 ms of a 10 ms budget (HAProxy adds about 0.3 ms)."""
-    return max(1, math.floor(settings.budget_ms / 4))
 
 
 def find_haproxy() -> str | None:
@@ -146,12 +148,15 @@ def haproxy_config(
     *,
     metrics_port: int | None = None,
     tls: FrontTLS | None = None,
+    admin_socket: Path | None = None,
 ) -> str:
     """HAProxy's configuration for a front on the settings' address over `workers` (host:port,
-    or a Unix socket's absolute path); `metrics_port`: HAProxy's Prometheus endpoint."""
+    or a Unix socket's absolute path); `metrics_port`: HAProxy's Prometheus endpoint;
+    `admin_socket`: its runtime API, through which each worker's limit is sized
+    (`service.front_limits`). Each worker starts at the least calls it may hold."""
     if not workers:
         raise ValueError("the front needs at least one worker address")
-    calls = settings.max_requests_in_progress or DEFAULT_WORKER_CALLS
+    calls, _ = worker_calls(settings)
     addresses = [f"unix@{w}" if w.startswith("/") else w for w in workers]
     limited = "\n".join(
         f"    server worker{i} {address} proto h2 maxconn {calls} check inter 1s"
@@ -171,9 +176,14 @@ frontend metrics
     no log
     http-request use-service prometheus-exporter if {{ path /metrics }}
 """
+    runtime_api = ""
+    held = f"at most {calls} a worker"
+    if admin_socket is not None:
+        held = f"{calls} a worker at first, then what each finishes in time (riskserve sets it)"
+        runtime_api = f"\n    stats socket {admin_socket} mode 600 level admin"
     return f"""# Written by riskserve from the RISKSERVE_* settings; do not edit.
 global
-    nbthread {front_threads(len(workers))}
+    nbthread {front_threads(len(workers))}{runtime_api}
     maxconn {_max_connections()}
     hard-stop-after {math.ceil(settings.shutdown_grace_s) + 2}s
     log stderr format raw local0 err
@@ -196,7 +206,7 @@ frontend grpc
     use_backend control if {{ path {" ".join(_CONTROL_PATHS)} }}
     default_backend calls
 
-# Scoring calls: at most {calls} a worker, the rest queued for {queue_timeout_ms(settings)} ms.
+# Scoring calls: {held}, the rest queued for {queue_timeout_ms(settings)} ms.
 backend calls
     balance leastconn
 {limited}
@@ -218,6 +228,7 @@ def write(
     *,
     metrics_port: int | None = None,
     tls: FrontTLS | None = None,
+    admin_socket: Path | None = None,
 ) -> Path:
     """Write haproxy.cfg and the answer to a shed call into `directory`; the config's path."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -225,7 +236,14 @@ def write(
     busy.write_bytes(busy_response())
     config = directory / "haproxy.cfg"
     config.write_text(
-        haproxy_config(settings, workers, busy.resolve(), metrics_port=metrics_port, tls=tls)
+        haproxy_config(
+            settings,
+            workers,
+            busy.resolve(),
+            metrics_port=metrics_port,
+            tls=tls,
+            admin_socket=admin_socket,
+        )
     )
     return config
 
@@ -289,6 +307,7 @@ class _Front:
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self.proxy: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
+        self.limits = WorkerLimits.for_settings(settings, self.directory / "haproxy.sock")
 
     def start_workers(self) -> None:
         context = multiprocessing.get_context("fork")  # before any gRPC state exists here
@@ -325,6 +344,7 @@ class _Front:
             [str(path) for path in self.sockets],
             metrics_port=settings.front_metrics_port_resolved,
             tls=_front_tls(settings, self.directory),
+            admin_socket=self.limits.socket_path if self.limits is not None else None,
         )
         self.proxy = subprocess.Popen(
             [self.haproxy, "-db", "-f", str(config)],
@@ -372,9 +392,12 @@ class _Front:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def supervise(self) -> int:
-        """Until a signal asks to stop (0) or a worker or HAProxy ends by itself (1)."""
+        """Until a signal asks to stop (0) or a worker or HAProxy ends by itself (1); in the
+        meantime each worker's call limit follows what it finishes (`WorkerLimits`)."""
         assert self.proxy is not None
-        while not self.stopping.wait(0.2):
+        while not self.stopping.wait(_POLL_S):
+            if self.limits is not None:
+                self.limits.poll()
             ended = self.ended_worker()
             if ended is not None:
                 log.error("%s ended (exit status %s): stopping", ended.name, ended.exitcode)
