@@ -87,8 +87,9 @@ _MAX_CONNECTIONS = 4096
 # of 60 (docs/benchmarks.md, "Overload").
 WORKERS_PER_FRONT_THREAD = 8
 # How often the supervising process looks at its workers and HAProxy, and sizes the workers'
-# call limits from what each finished since.
-_POLL_S = 0.2
+# call limits from what each finished since: a step in load meets the least limit for at most
+# this long.
+_POLL_S = 0.05
 
 
 def busy_response(message: str = BUSY_MESSAGE) -> bytes:
@@ -153,10 +154,13 @@ def haproxy_config(
     """HAProxy's configuration for a front on the settings' address over `workers` (host:port,
     or a Unix socket's absolute path); `metrics_port`: HAProxy's Prometheus endpoint;
     `admin_socket`: its runtime API, through which each worker's limit is sized
-    (`service.front_limits`). Each worker starts at the least calls it may hold."""
+    (`service.front_limits`)."""
     if not workers:
         raise ValueError("the front needs at least one worker address")
-    calls, _ = worker_calls(settings)
+    # Where riskserve sizes the limits, a worker starts at the most; a fixed config holds each
+    # worker to the least, what suits a worker sharing its core (docs/reliability.md).
+    sizing = worker_calls(settings)
+    calls = sizing.most if admin_socket is not None else sizing.least
     addresses = [f"unix@{w}" if w.startswith("/") else w for w in workers]
     limited = "\n".join(
         f"    server worker{i} {address} proto h2 maxconn {calls} check inter 1s"

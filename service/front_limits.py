@@ -10,13 +10,20 @@ idle while callers waited in the front, and the front answered 0.81 of the calls
 the worker answered when reached directly.
 
 So when `RISKSERVE_MAX_REQUESTS_IN_PROGRESS` is 0 (the default), the process that supervises
-the front reads each worker's finished calls from HAProxy every poll (its runtime API, on a
-Unix socket in the front's private folder) and sets the worker's limit to what it finished a
-second times `target_s` (Little's law), never below `DEFAULT_WORKER_CALLS` and never above the
-calls the worker admits itself. A worker that keeps up finishes what it is sent, so its limit
-follows the load and stays above what it holds; a saturated one finishes its capacity, so its
-limit becomes the calls it finishes within `target_s`. A set value of the setting is used as
-it is, for every worker.
+the front reads each worker's finished calls from HAProxy every 50 ms (its runtime API, on a
+Unix socket in the front's private folder) and sizes the worker's limit from them. A worker
+found full (holding its limit, or calls waiting in the queue) at two polls in a row gets what
+it finished a second in between times `target_s` (Little's law), up or down. One with room to
+spare keeps its limit or gets more, never less, so a capacity it once showed is there for the
+next burst.
+
+A worker starts with the calls it admits itself, as a lone server would take them, so a step
+in load meets no limit still to be learnt; a worker on a shared core is brought down at its
+second full poll in a row. Starting at 15, the front refused calls when 16 callers started at
+once against a worker that answered them all within 10 ms when reached directly. A batching
+worker frees its calls a batch at a time, so a call over the limit can wait a whole batch in
+the queue, longer than the queue time. The limit is never below `DEFAULT_WORKER_CALLS`. A set
+value of the setting is used as it is, for every worker.
 """
 
 from __future__ import annotations
@@ -36,8 +43,11 @@ from service.config import Settings
 
 __all__ = [
     "DEFAULT_WORKER_CALLS",
+    "Calls",
+    "Worker",
     "WorkerLimits",
     "queue_timeout_ms",
+    "read_stats",
     "runtime_command",
     "target_s",
     "worker_calls",
@@ -45,7 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Calls one worker holds at least, and at first, when the limit is sized from its pace.
+# The least calls a worker's limit comes down to where it is sized from its pace, and the limit
+# of every worker in a configuration that nothing sizes (`riskserve front-config`).
 DEFAULT_WORKER_CALLS = 8
 # The backend whose servers carry the per-worker limit (the scoring calls).
 CALLS_BACKEND = "calls"
@@ -64,12 +75,22 @@ def target_s(settings: Settings) -> float:
     return max(usable - queue_timeout_ms(settings) / 1e3, usable / 4)
 
 
-def worker_calls(settings: Settings) -> tuple[int, int]:
-    """The least and the most calls a worker may hold: both the setting where it is set."""
+@dataclass(frozen=True)
+class Calls:
+    """The calls a worker may hold: at least `least`, at most `most`, where it starts."""
+
+    least: int
+    most: int
+
+
+def worker_calls(settings: Settings) -> Calls:
+    """What a worker may hold for the settings: the setting, where it is set. Where it is 0,
+    at most what the worker admits itself (20 at 10 ms), and at least `DEFAULT_WORKER_CALLS`."""
     if settings.max_requests_in_progress:
-        return settings.max_requests_in_progress, settings.max_requests_in_progress
-    ceiling = admission_limit(Budget(settings.budget_ms / 1e3))
-    return min(DEFAULT_WORKER_CALLS, ceiling), ceiling
+        calls = settings.max_requests_in_progress
+        return Calls(calls, calls)
+    most = admission_limit(Budget(settings.budget_ms / 1e3))
+    return Calls(min(DEFAULT_WORKER_CALLS, most), most)
 
 
 def runtime_command(path: Path, command: str, timeout_s: float = 1.0) -> str:
@@ -84,26 +105,47 @@ def runtime_command(path: Path, command: str, timeout_s: float = 1.0) -> str:
     return b"".join(chunks).decode()
 
 
-def _finished(stat_csv: str) -> dict[str, int]:
-    """Calls each server of the calls backend has finished, from `show stat`'s CSV."""
-    lines = stat_csv.lstrip("# ").splitlines()
-    return {
-        row["svname"]: int(row["stot"] or 0)
-        for row in csv.DictReader(lines)
-        if row.get("pxname") == CALLS_BACKEND and row.get("svname") not in (None, "BACKEND")
-    }
+@dataclass(frozen=True)
+class Worker:
+    """One worker's row in HAProxy's statistics: calls finished so far, calls it holds now."""
+
+    finished: int
+    holding: int
+
+
+def read_stats(stat_csv: str) -> tuple[dict[str, Worker], int]:
+    """Each worker of the calls backend, and the calls waiting in its queue, from `show stat`'s
+    CSV (its first line is the header, after "# ")."""
+    workers: dict[str, Worker] = {}
+    queued = 0
+    for row in csv.DictReader(stat_csv.removeprefix("# ").splitlines()):
+        if row.get("pxname") != CALLS_BACKEND:
+            continue
+        if row["svname"] == "BACKEND":
+            queued = int(row["qcur"] or 0)
+        elif row["svname"] != "FRONTEND":
+            workers[row["svname"]] = Worker(int(row["stot"] or 0), int(row["scur"] or 0))
+    return workers, queued
 
 
 @dataclass
 class WorkerLimits:
-    """Each worker's call limit in the front, kept at what it finishes within `target_s`."""
+    """Each worker's call limit in the front, kept at what it finishes within `target_s`.
+
+    A worker that is full (it holds its limit, or calls wait in the queue) at two polls in a
+    row finished its capacity in between, and its limit becomes what that capacity finishes
+    within `target_s`, up or down.
+    One with room to spare finishes what it is sent, which says little of what it could: its
+    limit only rises then, so a capacity it once showed stays available to the next burst until
+    it is full again and shows another.
+    """
 
     socket_path: Path
-    floor: int
-    ceiling: int
+    calls: Calls
     target_s: float
     limits: dict[str, int] = field(default_factory=dict)
-    _seen: dict[str, int] = field(default_factory=dict)
+    _seen: dict[str, Worker] = field(default_factory=dict)
+    _full: dict[str, bool] = field(default_factory=dict)
     _seen_at: float = 0.0
 
     @classmethod
@@ -111,41 +153,58 @@ class WorkerLimits:
         """The sizing for the settings; None where the setting fixes every worker's limit."""
         if settings.max_requests_in_progress:
             return None
-        floor, ceiling = worker_calls(settings)
-        return cls(socket_path, floor, ceiling, target_s(settings))
+        return cls(socket_path, worker_calls(settings), target_s(settings))
 
     def limit(self, finished_per_s: float) -> int:
-        """A worker's limit when it finishes `finished_per_s` calls a second."""
-        return min(self.ceiling, max(self.floor, math.ceil(finished_per_s * self.target_s)))
+        """A full worker's limit when it finishes `finished_per_s` calls a second."""
+        wanted = math.ceil(finished_per_s * self.target_s)
+        return min(self.calls.most, max(self.calls.least, wanted))
 
     def poll(self) -> None:
         """Read what each worker finished since the last poll, and set the limits it calls
         for; HAProxy not answering (starting, stopping) leaves them as they are."""
         try:
-            finished = _finished(runtime_command(self.socket_path, "show stat -1 4 -1"))
+            workers, queued = read_stats(runtime_command(self.socket_path, "show stat -1 6 -1"))
         except OSError as exc:
             log.debug("front limits: no answer from haproxy (%s)", exc)
             return
         now = time.monotonic()
         elapsed, self._seen_at = now - self._seen_at, now
-        seen, self._seen = self._seen, finished
+        seen, self._seen = self._seen, workers
         if not seen or elapsed <= 0:
             return
+        full_now = {
+            name: queued > 0 or worker.holding >= self.current(name)
+            for name, worker in workers.items()
+        }
+        full_before, self._full = self._full, full_now
+        # Full at both ends of the interval: what it finished in between is its capacity. Full
+        # only now is a step in load, and the interval's rate is still the load before it.
         changes = self.changes(
-            (server, (count - seen.get(server, count)) / elapsed)
-            for server, count in finished.items()
+            (
+                name,
+                (worker.finished - seen[name].finished) / elapsed,
+                full_now[name] and full_before.get(name, False),
+            )
+            for name, worker in workers.items()
+            if name in seen
         )
         if changes:
             self._apply(changes)
 
-    def changes(self, rates: Iterable[tuple[str, float]]) -> dict[str, int]:
-        """The limits that differ from those set, for each server's calls finished a second."""
-        wanted = {server: self.limit(rate) for server, rate in rates}
-        return {
-            server: limit
-            for server, limit in wanted.items()
-            if self.limits.get(server, self.floor) != limit
-        }
+    def current(self, name: str) -> int:
+        """The limit set for a worker (its most until one was set)."""
+        return self.limits.get(name, self.calls.most)
+
+    def changes(self, observed: Iterable[tuple[str, float, bool]]) -> dict[str, int]:
+        """The limits that differ from those set, for each worker's calls finished a second
+        and whether it was full (it held its limit, or calls waited in the queue)."""
+        wanted = {}
+        for name, rate, full in observed:
+            limit = self.limit(rate) if full else max(self.limit(rate), self.current(name))
+            if limit != self.current(name):
+                wanted[name] = limit
+        return wanted
 
     def _apply(self, changes: dict[str, int]) -> None:
         command = "; ".join(
