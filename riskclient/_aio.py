@@ -11,7 +11,7 @@ import grpc
 from riskclient._base import ClientBase
 from riskclient._errors import ScoringError
 from riskclient._messages import RequestLike, as_request
-from riskclient._stream import DEFAULT_MAX_IN_FLIGHT, AsyncScoreStream
+from riskclient._stream import CLOSE_GRACE_S, DEFAULT_MAX_IN_FLIGHT, AsyncScoreStream
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
@@ -74,12 +74,13 @@ class AsyncRiskClient(ClientBase):
         """The streams concurrent calls share, opened as calls overlapped (none before)."""
         return tuple(self._shared)
 
-    async def close(self) -> None:
-        """End the shared streams once their requests are answered, then the channel."""
+    async def close(self, grace_s: float | None = CLOSE_GRACE_S) -> None:
+        """End the shared streams once their requests are answered, waiting up to `grace_s`
+        (None: for good; see `AsyncScoreStream.close`), then the channel."""
         self._closed = True
         shared, self._shared = self._shared, []
         try:
-            await asyncio.gather(*(stream.close() for stream in shared))
+            await asyncio.gather(*(stream.close(grace_s) for stream in shared))
         finally:
             await self._channel.close()
 

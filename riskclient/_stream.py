@@ -48,7 +48,7 @@ from riskclient._throttle import AdaptiveThrottle
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
-__all__ = ["DEFAULT_MAX_IN_FLIGHT", "AsyncScoreStream"]
+__all__ = ["CLOSE_GRACE_S", "DEFAULT_MAX_IN_FLIGHT", "AsyncScoreStream"]
 
 _UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 _DEADLINE_EXCEEDED = grpc.StatusCode.DEADLINE_EXCEEDED
@@ -61,6 +61,8 @@ DEFAULT_MAX_IN_FLIGHT = 64
 _FIRST_WINDOW = 8.0
 # Answers that say the server is past what it answers in time.
 _OVERLOADED = frozenset({_RESOURCE_EXHAUSTED, _DEADLINE_EXCEEDED, _UNAVAILABLE})
+# How long close() waits for the requests sent to be answered when not told otherwise.
+CLOSE_GRACE_S = 5.0
 # The share of a request's timeout it may wait here for a place in the window (the front's
 # queue time is a quarter of the budget too: service.front_limits.queue_timeout_ms).
 _QUEUE_SHARE = 0.25
@@ -194,8 +196,11 @@ class AsyncScoreStream:
             self.throttle.record(grpc.StatusCode.OK)
         return reply
 
-    async def close(self) -> None:
-        """Stop taking requests, wait for those sent to be answered, and end the stream."""
+    async def close(self, grace_s: float | None = CLOSE_GRACE_S) -> None:
+        """Stop taking requests, wait up to `grace_s` (None: for good) for those sent to be
+        answered, and end the stream; what is still unanswered then fails with
+        StreamClosed. A server that stops answering without closing the connection would
+        otherwise hold close(), and whatever shuts down with it, for as long as it is gone."""
         self._closing = True
         self._wake()
         if not self._pending and self._call is not None and not self._opened:
@@ -205,11 +210,21 @@ class AsyncScoreStream:
         runner = self._runner
         if runner is not None:
             try:
-                await runner
+                _, waiting = await asyncio.wait({runner}, timeout=grace_s)
+                if waiting:
+                    self._fail_pending()
+                    if self._call is not None:
+                        self._call.cancel()
+                    runner.cancel()
+                    await asyncio.gather(runner, return_exceptions=True)
             finally:
                 self._runner = None
+        self._fail_pending()
+
+    def _fail_pending(self) -> None:
         for pending in tuple(self._pending.values()):
-            _fail(pending, StreamClosed("the stream client was closed"))
+            _fail(pending, StreamClosed("the stream client was closed before this was answered"))
+        self._pending.clear()
 
     def _wake(self) -> None:
         waiting = self._wake_sender

@@ -13,7 +13,7 @@ from riskclient._base import ClientBase
 from riskclient._connection import Connection
 from riskclient._errors import ScoringError
 from riskclient._messages import RequestLike, as_request
-from riskclient._stream import AsyncScoreStream
+from riskclient._stream import CLOSE_GRACE_S, AsyncScoreStream
 from riskclient._throttle import AdaptiveThrottle
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
@@ -136,12 +136,13 @@ class ScoreStream:
         """Score one request on the shared stream; raises ScoringError when it is not scored."""
         return self._run(self._stream.score(request, timeout_s=timeout_s))
 
-    def close(self) -> None:
-        """Wait for the requests sent to be answered, then end the stream and its thread."""
+    def close(self, grace_s: float | None = CLOSE_GRACE_S) -> None:
+        """Wait up to `grace_s` (None: for good) for the requests sent to be answered, then
+        end the stream and its thread (see `AsyncScoreStream.close`)."""
         if not self._thread.is_alive():
             return
         try:
-            self._run(self._stream.close())
+            self._run(self._stream.close(grace_s))
             self._run(self._channel.close())
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)

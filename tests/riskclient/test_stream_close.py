@@ -1,0 +1,87 @@
+"""Closing a shared stream whose server stopped answering ends within its grace: the requests
+still unanswered fail with StreamClosed, and close() returns instead of waiting for good."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import grpc
+from waiting import until, wait_until
+
+from riskclient import AsyncScoreStream, RiskClient, StreamClosed
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+
+
+class _Silent(pb_grpc.RiskScoringServicer):
+    """Opens each stream and reads its requests, and never answers one."""
+
+    def __init__(self) -> None:
+        self.read: list[str] = []
+
+    async def ScoreStream(
+        self, request_iterator: AsyncIterator[pb.ScoreRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.ScoreResponse]:
+        await context.send_initial_metadata(())
+        async for request in request_iterator:
+            self.read.append(request.request_id)
+        await asyncio.Event().wait()  # the caller half-closed; still no answer
+        yield pb.ScoreResponse()
+
+
+async def _silent_server() -> tuple[grpc.aio.Server, _Silent, str]:
+    servicer = _Silent()
+    server = grpc.aio.server()
+    pb_grpc.add_RiskScoringServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, servicer, f"127.0.0.1:{port}"
+
+
+def test_close_fails_what_a_silent_server_never_answered_after_its_grace():
+    async def run() -> tuple[BaseException | None, list[str]]:
+        server, servicer, target = await _silent_server()
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                stream = AsyncScoreStream(channel)  # no timeout: the server's budget applies
+                waiting = asyncio.ensure_future(stream.score(pb.ScoreRequest(request_id="r1")))
+                await until(lambda: servicer.read == ["r1"])
+                await stream.close(grace_s=0.05)
+                return waiting.exception(), servicer.read
+        finally:
+            await server.stop(None)
+
+    failed, read = asyncio.run(run())
+    assert isinstance(failed, StreamClosed), failed
+    assert read == ["r1"]
+
+
+def test_the_blocking_stream_client_closes_within_its_grace_too():
+    loop = asyncio.new_event_loop()
+    server, servicer, target = loop.run_until_complete(_silent_server())
+    serving = threading.Thread(target=loop.run_forever, daemon=True)
+    serving.start()
+    outcome: list[BaseException] = []
+    try:
+        with RiskClient(target) as client:
+            stream = client.stream()
+
+            def call() -> None:
+                try:
+                    stream.score(pb.ScoreRequest(request_id="r1"))
+                except StreamClosed as exc:
+                    outcome.append(exc)
+
+            caller = threading.Thread(target=call)
+            caller.start()
+            wait_until(lambda: servicer.read == ["r1"])
+            stream.close(grace_s=0.05)
+            caller.join()
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        serving.join()
+        loop.close()
+    assert len(outcome) == 1
