@@ -87,8 +87,8 @@ _MAX_CONNECTIONS = 4096
 # of 60 (docs/benchmarks.md, "Overload").
 WORKERS_PER_FRONT_THREAD = 8
 # How often the supervising process looks at its workers and HAProxy, and sizes the workers'
-# call limits from what each finished since: a step in load meets the least limit for at most
-# this long.
+# call limits from what each finished since: a worker full at two polls in a row is sized at
+# the second (`service.front_limits`).
 _POLL_S = 0.05
 
 
