@@ -147,6 +147,7 @@ class WorkerLimits:
     _seen: dict[str, Worker] = field(default_factory=dict)
     _full: dict[str, bool] = field(default_factory=dict)
     _seen_at: float = 0.0
+    _warned: bool = False
 
     @classmethod
     def for_settings(cls, settings: Settings, socket_path: Path) -> WorkerLimits | None:
@@ -167,6 +168,9 @@ class WorkerLimits:
             workers, queued = read_stats(runtime_command(self.socket_path, "show stat -1 6 -1"))
         except OSError as exc:
             log.debug("front limits: no answer from haproxy (%s)", exc)
+            return
+        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            self._warn_once(f"unreadable statistics from haproxy ({exc!r})")
             return
         now = time.monotonic()
         elapsed, self._seen_at = now - self._seen_at, now
@@ -217,7 +221,17 @@ class WorkerLimits:
             log.debug("front limits: no answer from haproxy (%s)", exc)
             return
         if answer.strip():
-            log.warning("front limits: haproxy refused %r: %s", command, answer.strip())
+            self._warn_once(f"haproxy refused {command!r}: {answer.strip()}")
             return
         self.limits.update(changes)
         log.debug("front limits: %s", changes)
+
+    def _warn_once(self, problem: str) -> None:
+        """A problem the next polls would meet again: logged at WARNING the first time, and
+        at DEBUG after, so the service keeps its limits and its log stays readable."""
+        log.log(
+            logging.DEBUG if self._warned else logging.WARNING,
+            "front limits: %s; the limits stay as they are",
+            problem,
+        )
+        self._warned = True

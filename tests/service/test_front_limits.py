@@ -5,6 +5,8 @@ was sized from as HAProxy reports them."""
 from __future__ import annotations
 
 import csv
+import logging
+import socket
 import subprocess
 import threading
 from pathlib import Path
@@ -190,3 +192,34 @@ def test_serve_sizes_a_full_worker_s_limit_from_what_it_finishes(tmp_path: Path)
         answered = sum(code != grpc.StatusCode.RESOURCE_EXHAUSTED for code in outcomes)
         assert workers == {"worker1": Worker(finished=answered, holding=0)}
         assert queued == 0
+
+
+def test_what_haproxy_answers_that_cannot_be_read_leaves_the_limits_and_warns_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A runtime API that answers nonsense (a stand-in socket: what it says is the test) never
+    stops the supervising process: the limits stay, and one WARNING says why."""
+    path = tmp_path / "api.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen()
+    answers = iter([b"# pxname,svname,stot,scur,qcur\ncalls,worker1,many,0,0\n"] * 3)
+
+    def serve() -> None:
+        for answer in answers:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(answer)
+
+    server = threading.Thread(target=serve)
+    server.start()
+    limits = WorkerLimits(path, Calls(least=8, most=20), target_s=0.006)
+    with caplog.at_level(logging.DEBUG, logger="service.front_limits"):
+        for _ in range(3):
+            limits.poll()
+    server.join()
+    listener.close()
+    assert limits.limits == {} and limits.current("worker1") == 20
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "unreadable statistics" in warnings[0].getMessage()
