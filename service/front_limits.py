@@ -134,10 +134,9 @@ class WorkerLimits:
 
     A worker that is full (it holds its limit, or calls wait in the queue) at two polls in a
     row finished its capacity in between, and its limit becomes what that capacity finishes
-    within `target_s`, up or down.
-    One with room to spare finishes what it is sent, which says little of what it could: its
-    limit only rises then, so a capacity it once showed stays available to the next burst until
-    it is full again and shows another.
+    within `target_s`, up or down. One with room to spare finishes what it is sent, which says
+    little of what it could: its limit only rises then, so a capacity it once showed stays
+    available to the next burst until it is full again and shows another.
     """
 
     socket_path: Path
