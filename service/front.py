@@ -43,17 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.config import Settings
-from service.front_limits import (
-    DEFAULT_WORKER_CALLS,
-    WorkerLimits,
-    queue_timeout_ms,
-    worker_calls,
-)
+from service.front_limits import WorkerLimits, queue_timeout_ms, worker_calls
 from service.prctl import PR_SET_PDEATHSIG, prctl
 
 __all__ = [
     "BUSY_MESSAGE",
-    "DEFAULT_WORKER_CALLS",
     "busy_response",
     "find_haproxy",
     "haproxy_config",

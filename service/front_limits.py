@@ -71,7 +71,7 @@ def queue_timeout_ms(settings: Settings) -> int:
 def target_s(settings: Settings) -> float:
     """The time a worker may take for the calls it holds: the budget's usable part less the
     front's queue time (6 ms of a 10 ms budget: 8 usable, 2 of queue)."""
-    usable = Budget(settings.budget_ms / 1e3).usable_s
+    usable = Budget(settings.budget_s).usable_s
     return max(usable - queue_timeout_ms(settings) / 1e3, usable / 4)
 
 
@@ -89,7 +89,7 @@ def worker_calls(settings: Settings) -> Calls:
     if settings.max_requests_in_progress:
         calls = settings.max_requests_in_progress
         return Calls(calls, calls)
-    most = admission_limit(Budget(settings.budget_ms / 1e3))
+    most = admission_limit(Budget(settings.budget_s))
     return Calls(min(DEFAULT_WORKER_CALLS, most), most)
 
 
