@@ -19,7 +19,7 @@ import grpc
 import pytest
 from certs import Authority
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from liveserver import LiveServer, server_process
+from liveserver import HAPROXY, LiveServer, needs_haproxy, server_process, socket_folder
 from modelkit import sequence_request, write_sequence_model
 from scrape import scraped_total
 from waiting import port_open, wait_until
@@ -30,17 +30,10 @@ from service.config import Settings
 from service.front import (
     BUSY_MESSAGE,
     FrontTLS,
-    find_haproxy,
     front_threads,
     haproxy_config,
     queue_timeout_ms,
     write,
-)
-
-HAPROXY = find_haproxy()
-needs_haproxy = pytest.mark.skipif(
-    HAPROXY is None,
-    reason="no haproxy here: `make test` installs Debian's haproxy where apt-get runs as root",
 )
 
 
@@ -247,18 +240,13 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-def _socket_folder(output: list[str]) -> Path:
-    line = next(line for line in output if " on unix:" in line)
-    return Path(line.split(" on unix:")[1].strip()).parent
-
-
 @needs_haproxy
 def test_sigterm_drains_and_ends_the_workers_the_front_and_their_sockets(models: Path):
     output: list[str] = []
     with _served(models, output) as (proc, target, metrics_port):
         children = _children(proc.pid)
         assert len(children) == 3  # two workers and HAProxy
-        folder = _socket_folder(output)
+        folder = socket_folder(output)
         assert folder.is_dir()
         with grpc.insecure_channel(target) as channel:
             assert pb_grpc.RiskScoringStub(channel).Score(sequence_request(1, 5), timeout=5)

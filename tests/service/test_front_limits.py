@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from fakes import fake_factory
-from liveserver import LiveServer, server_process
+from liveserver import HAPROXY, LiveServer, needs_haproxy, server_process, socket_folder
 from modelkit import sequence_request, write_sequence_model
 from scrape import scraped_total
 from waiting import port_open, wait_until
@@ -22,7 +22,7 @@ from waiting import port_open, wait_until
 from bench.servers import free_port
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
-from service.front import find_haproxy, haproxy_config, write
+from service.front import haproxy_config, write
 from service.front_limits import (
     DEFAULT_WORKER_CALLS,
     Calls,
@@ -32,11 +32,6 @@ from service.front_limits import (
     runtime_command,
     target_s,
     worker_calls,
-)
-
-needs_haproxy = pytest.mark.skipif(
-    find_haproxy() is None,
-    reason="no haproxy here: `make test` installs Debian's haproxy where apt-get runs as root",
 )
 
 
@@ -111,7 +106,7 @@ def test_a_full_worker_s_limit_comes_down_to_what_it_finishes(tmp_path: Path):
         factory, models_dir=models, default_model="seq-mini", budget_ms=2000, max_batch_size=1
     ) as worker:
         config = write(tmp_path / "front", settings, [worker.target], admin_socket=admin)
-        proxy = subprocess.Popen([str(find_haproxy()), "-f", str(config)])
+        proxy = subprocess.Popen([str(HAPROXY), "-f", str(config)])
         try:
             wait_until(lambda: admin.exists() and port_open(settings.port))
             limits = WorkerLimits(admin, Calls(least=1, most=8), target_s=0.01)
@@ -186,8 +181,7 @@ def test_serve_sizes_a_full_worker_s_limit_from_what_it_finishes(tmp_path: Path)
         assert set(outcomes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  grpc.StatusCode.DEADLINE_EXCEEDED}  # fmt: skip
         # What the limit was sized from, as HAProxy reports it once the calls have ended.
-        (line,) = [line for line in output if " on unix:" in line]
-        admin = Path(line.split(" on unix:")[1].strip()).parent / "haproxy.sock"
+        admin = socket_folder(output) / "haproxy.sock"
         workers, queued = read_stats(runtime_command(admin, "show stat -1 6 -1"))
         answered = sum(code != grpc.StatusCode.RESOURCE_EXHAUSTED for code in outcomes)
         assert workers == {"worker1": Worker(finished=answered, holding=0)}

@@ -14,12 +14,27 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from service.config import Settings
+from service.front import find_haproxy
 from service.models.loader import EngineFactory
 from service.server import RiskServer, build_server
 
 REPO = Path(__file__).resolve().parents[2]
+
+# HAProxy, for the tests of the front; they are skipped, saying why, where it is missing.
+HAPROXY = find_haproxy()
+needs_haproxy = pytest.mark.skipif(
+    HAPROXY is None,
+    reason="no haproxy here: `make test` installs Debian's haproxy where apt-get runs as root",
+)
+
+
+def socket_folder(output: list[str]) -> Path:
+    """The private folder of the front's sockets, from the log of `riskserve serve`."""
+    line = next(line for line in output if " on unix:" in line)
+    return Path(line.split(" on unix:")[1].strip()).parent
 
 
 class LiveServer:
