@@ -262,7 +262,12 @@ def _tensor(
                 f"has {len(contents)} values, shape {list(shape)} needs {count}",
             )
         values = np.array(contents, dtype=np.float32)
-    return values.reshape(shape)
+    try:
+        return values.reshape(shape)
+    except ValueError as exc:  # no values, and dimensions numpy cannot hold: too large or many
+        raise InvalidRequest(
+            f"{field}.shape", f"{list(shape)} has dimensions too large or too many"
+        ) from exc
 
 
 def decode_infer_request(
@@ -326,6 +331,8 @@ def _infer_arrays(request: oip.ModelInferRequest, manifest: Manifest) -> dict[st
             raise InvalidRequest(
                 f"inputs[{i}].name", f"{tensor.name!r} is not one of {sorted(expected)}"
             )
+        if tensor.name in arrays:
+            raise InvalidRequest(f"inputs[{i}].name", f"{tensor.name!r} is given twice")
         array = _tensor(raw_contents, i, tensor)
         if array.ndim != expected[tensor.name]:
             raise InvalidRequest(

@@ -258,15 +258,16 @@ _STREAM_ATTRIBUTES = {
 
 
 def _infer_together(servicer: InferenceServicer, arrivals: list[Arrival]) -> None:
-    """Score the messages read in one turn of the loop together: per model version, messages
-    alike in their tensors are decoded and checked as one array each (`decode_infer_together`;
-    one by one where they differ or a check fails, so that an error names its message's
-    field), queued as one job of at most a batch of rows, and answered from its scores. A
-    message for an experiment that logs its route (an ``entity_id`` parameter, or a model
-    whose experiment logs every request) goes the per-message path, which records it."""
+    """Score the messages read in one turn of the loop together: per model version and
+    message timing (`Arrival.timing`), messages alike in their tensors are decoded and checked
+    as one array each (`decode_infer_together`; one by one where they differ or a check fails,
+    so that an error names its message's field), queued as one job of at most a batch of rows,
+    and answered from its scores. A message for an experiment that logs its route (an
+    ``entity_id`` parameter, or a model whose experiment logs every request) goes the
+    per-message path, which records it."""
     telemetry = servicer.telemetry
     router = servicer._router
-    by_model: dict[int, tuple[ModelVersion, list[Arrival]]] = {}
+    groups: dict[tuple[int, tuple[float | None, float]], tuple[ModelVersion, list[Arrival]]] = {}
     for arrival in arrivals:
         request: oip.ModelInferRequest = arrival.request
         if ENTITY_PARAMETER in request.parameters:
@@ -282,34 +283,51 @@ def _infer_together(servicer: InferenceServicer, arrivals: list[Arrival]) -> Non
         if route is not None:
             arrival.alone()
             continue
-        by_model.setdefault(id(model), (model, []))[1].append(arrival)
-    for model, alike in by_model.values():
-        first = alike[0].request
-        rows_each = first.inputs[0].shape[0] if first.inputs and first.inputs[0].shape else 1
-        per_job = max(1, model.batcher.max_batch_rows // max(rows_each, 1))
+        groups.setdefault((id(model), arrival.timing), (model, []))[1].append(arrival)
+    for model, alike in groups.values():
+        per_job = max(1, model.batcher.max_batch_rows // _rows_named(alike[0].request, model))
         for at in range(0, len(alike), per_job):
             chunk = alike[at : at + per_job]
-            job = _StreamJob(model, telemetry)
-            rows = decode_infer_together(
-                [a.request for a in chunk], model.manifest, model.score.served_name
-            )
-            if rows is not None:
-                job.add_part(rows)
+            try:
+                _queue(model, chunk, telemetry)
+            except Exception:  # these messages only: the others' jobs go on
+                log.exception("queueing %d stream messages failed", len(chunk))
                 for arrival in chunk:
-                    job.add(arrival, rows_each)
-            else:
-                for arrival in chunk:
-                    try:
-                        part = decode_infer_request(
-                            arrival.request, model.manifest, model.score.served_name
-                        )
-                    except ServiceError as exc:
-                        _refused(telemetry, arrival, exc)
-                        continue
-                    job.add_part(part)
-                    job.add(arrival, part.rows)
-            if job.arrivals:
-                job.start()
+                    arrival.fail(grpc.StatusCode.INTERNAL, "internal error")
+
+
+def _queue(model: ModelVersion, chunk: list[Arrival], telemetry: Telemetry | None) -> None:
+    """Decode messages for one model version, and queue them as one job."""
+    job = _StreamJob(model, telemetry)
+    rows = decode_infer_together(
+        [a.request for a in chunk], model.manifest, model.score.served_name
+    )
+    if rows is not None:
+        job.add_part(rows)
+        for arrival in chunk:  # alike: each holds an equal share of the rows
+            job.add(arrival, rows.rows // len(chunk))
+    else:
+        for arrival in chunk:
+            try:
+                part = decode_infer_request(
+                    arrival.request, model.manifest, model.score.served_name
+                )
+            except ServiceError as exc:
+                _refused(telemetry, arrival, exc)
+                continue
+            job.add_part(part)
+            job.add(arrival, part.rows)
+    if job.arrivals:
+        job.start()
+
+
+def _rows_named(request: oip.ModelInferRequest, model: ModelVersion) -> int:
+    """The rows a request's features tensor says it holds (at least 1): what sizes a job."""
+    features = model.manifest.features_input
+    for tensor in request.inputs:
+        if tensor.name == features and tensor.shape:
+            return max(int(tensor.shape[0]), 1)
+    return 1
 
 
 def _refused(telemetry: Telemetry | None, arrival: Arrival, exc: ServiceError) -> None:

@@ -102,17 +102,30 @@ MessageBudget = Callable[[Req], float | None]
 
 class Arrival(Generic[Req, Resp]):
     """A message read from a stream, waiting for the end of the loop's turn to be scored with
-    the others read in the same turn (`StreamMethod.per_batch`)."""
+    the others read in the same turn (`StreamMethod.per_batch`).
 
-    __slots__ = ("deadline", "done", "received_ns", "request", "stream")
+    `deadline` is the batcher's, as `Budget.deadline` makes it for every path (the margin
+    kept back). `timing` is what set it: the message's own budget (None: the server's) and
+    its call's deadline. Messages of one turn alike in it have deadlines apart by no more than
+    their reads, so they may be scored by the earliest; others would be shed by a deadline not
+    theirs.
+    """
+
+    __slots__ = ("deadline", "done", "received_ns", "request", "stream", "timing")
 
     def __init__(
-        self, stream: _Stream[Req, Resp], request: Req, deadline: float, received_ns: int
+        self,
+        stream: _Stream[Req, Resp],
+        request: Req,
+        deadline: float,
+        received_ns: int,
+        timing: tuple[float | None, float],
     ) -> None:
         self.stream = stream
         self.request = request
         self.deadline = deadline  # monotonic seconds
         self.received_ns = received_ns  # monotonic nanoseconds
+        self.timing = timing
         self.done = False  # answered, or handed to the per-message path
 
     @property
@@ -345,6 +358,8 @@ class _Stream(Generic[Req, Resp]):
             self._reading = False
         else:
             self._reader = self._loop.create_task(self._read())
+            # Not a `finally` in `_read`: a task cancelled before its first step runs none of it.
+            self._reader.add_done_callback(self._read_ended)
         answers = self._answers
         write = self._context.write
         while True:
@@ -382,8 +397,7 @@ class _Stream(Generic[Req, Resp]):
                     )
                 elif per_batch is not None and not isinstance(request, Malformed):
                     self._batched += 1
-                    now_ns = time.monotonic_ns()
-                    arrive(Arrival(self, request, self._deadline(request, now_ns / 1e9), now_ns))
+                    arrive(self._arrival(request))
                 else:
                     self._start(request)
                 if self._unwritten >= 2 * limit:
@@ -397,15 +411,28 @@ class _Stream(Generic[Req, Resp]):
         except Exception:
             # The call broke while reading; what was read is still answered if it can be.
             log.debug("reading a stream failed", exc_info=True)
-        finally:
-            self._reading = False
-            self._wake_writer()
+
+    def _read_ended(self, _reader: asyncio.Task[None]) -> None:
+        self._reading = False
+        self._wake_writer()
 
     def _deadline(self, request: Req, now: float) -> float:
         """A message's deadline, monotonic: its own budget (or the server's), within the call's."""
         budget_s = self._message_budget(request) if not isinstance(request, Malformed) else None
+        return self._deadline_for(budget_s, now)
+
+    def _deadline_for(self, budget_s: float | None, now: float) -> float:
         deadline = now + (self._streams.budget.seconds if budget_s is None else budget_s)
         return min(deadline, self._call_deadline)
+
+    def _arrival(self, request: Req) -> Arrival[Req, Resp]:
+        """A message for `per_batch`, with the batcher's deadline (`Arrival`)."""
+        now_ns = time.monotonic_ns()
+        now = now_ns / 1e9
+        budget_s = self._message_budget(request)
+        remaining_s = self._deadline_for(budget_s, now) - now
+        deadline = self._streams.budget.deadline(remaining_s)
+        return Arrival(self, request, deadline, now_ns, (budget_s, self._call_deadline))
 
     def _start(self, request: Req) -> None:
         context = MessageContext(self._metadata, self._deadline(request, time.monotonic()))

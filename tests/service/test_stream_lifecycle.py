@@ -8,6 +8,7 @@ import queue
 import signal
 import socket
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -20,6 +21,8 @@ from waiting import wait_until
 from riskclient import RiskClient, ScoringError
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
+from service.api.stream import MessageStreams, StreamMethod
+from service.batching.budget import Budget
 
 MESSAGES = 200
 
@@ -174,3 +177,48 @@ def test_a_draining_stream_stops_reading_and_answers_what_it_holds(models):
     assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
     assert sorted(r.request_id for r in held) == sorted(f"m{i}" for i in range(20))
     assert all(r.status.code == 0 for r in held)
+
+
+def test_a_stream_drained_before_its_reader_starts_ends_unavailable():
+    """A drain (SIGTERM) that comes between a stream's start and its reader's first step ends
+    the stream with UNAVAILABLE at once. Such an order cannot be forced on a real server, so
+    the call's context here is a stand-in that asks for the drain as its headers go out."""
+    streams = MessageStreams(4, Budget(5.0))
+
+    class Context:
+        code: grpc.StatusCode | None = None
+
+        def invocation_metadata(self) -> tuple:
+            return ()
+
+        def time_remaining(self) -> None:
+            return None
+
+        async def send_initial_metadata(self, _metadata: tuple) -> None:
+            asyncio.get_running_loop().call_soon(streams.drain)
+
+        async def write(self, _message: object) -> None:
+            raise AssertionError("nothing was read, so nothing is written")
+
+        def set_code(self, code: grpc.StatusCode) -> None:
+            self.code = code
+
+        def set_details(self, _details: str) -> None:
+            pass
+
+    async def never() -> AsyncIterator[None]:
+        await asyncio.Event().wait()
+        yield None
+
+    async def per_message(*_args: object) -> None:
+        return None
+
+    method = StreamMethod(per_message, lambda *_args: None, lambda _request: None)
+    context = Context()
+
+    async def serve() -> None:
+        await asyncio.wait_for(streams.serve(never(), context, object(), method), timeout=5)
+
+    asyncio.run(serve())
+    assert context.code == grpc.StatusCode.UNAVAILABLE
+    assert streams.open_streams == 0
