@@ -113,9 +113,13 @@ class Scored:
 
     @classmethod
     def joined(cls, runs: Sequence[Scored]) -> Scored:
-        """Engine runs of consecutive rows as one: scores in order, engine time summed, the
-        first run's engine and precision; each row's engine where they differ."""
-        first = runs[0]
+        """Engine runs of consecutive rows as one: scores in order, engine time summed; each
+        row's engine where they differ. The engine and precision are those of the first run
+        that did not fall back whole, so that `row_engine` gives the fallback reason to the
+        rows that fell back, whichever run they were in."""
+        preferred = next(
+            (run for run in runs if run.row_engines or not run.fallback_reason), runs[0]
+        )
         per_row = [
             engine
             for run in runs
@@ -123,10 +127,10 @@ class Scored:
         ]
         return cls(
             np.concatenate([run.scores for run in runs]),
-            first.engine,
+            preferred.engine,
             next((run.fallback_reason for run in runs if run.fallback_reason), ""),
             sum(run.engine_s for run in runs),
-            first.precision,
+            preferred.precision,
             tuple(per_row) if len(set(per_row)) > 1 else (),
             batch_rows=sum(run.batch_rows for run in runs),
         )

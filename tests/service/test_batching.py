@@ -308,6 +308,25 @@ def test_the_parts_of_a_job_against_one_history_run_each_as_they_are():
     assert scored.batch_rows == 5 and scored.engine_s == pytest.approx(0.002)
 
 
+@pytest.mark.parametrize("first_fell_back", [True, False])
+def test_joined_runs_give_the_fallback_reason_to_the_rows_that_fell_back(first_fell_back):
+    """Parts run one after another (an explained block and its emptied rows), one of them on
+    the fallback engine: its rows, and only they, carry the reason, whichever part it was."""
+    reason = "shape_mismatch: history too long"
+    fell_back = Scored(np.zeros(3, np.float32), "onnxruntime-cpu", reason, 0.001, "fp32")
+    preferred = Scored(np.ones(2, np.float32), "tensorrt-fp16", "", 0.001, "fp16")
+    runs = [fell_back, preferred] if first_fell_back else [preferred, fell_back]
+    joined = Scored.joined(runs)
+    rows = [joined.row_engine(row) for row in range(5)]
+    on_fallback = ("onnxruntime-cpu", reason)
+    on_preferred = ("tensorrt-fp16", "")
+    if first_fell_back:
+        assert rows == [on_fallback] * 3 + [on_preferred] * 2
+    else:
+        assert rows == [on_preferred] * 2 + [on_fallback] * 3
+    assert (joined.engine, joined.precision) == ("tensorrt-fp16", "fp16")
+
+
 def test_calls_beyond_the_admission_limit_are_refused_at_once(seq_models):
     """More scoring calls in progress than the limit: the excess is RESOURCE_EXHAUSTED, named as
     such, and every call admitted is still scored."""
