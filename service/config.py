@@ -60,7 +60,10 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="Most rows in one engine batch; 1 = off.")
     max_queue_rows: int = Field(2048, ge=1, description="Rows waiting per model before shedding.")
     max_queue_delay_us: int = Field(
-        0, ge=0, description="Extra wait for a fuller batch when the engine is idle."
+        0,
+        ge=0,
+        description="Extra wait for a fuller batch when the engine is idle, where the earliest "
+        "queued deadline has room for it.",
     )
     engine_inline_max_us: int = Field(
         3000,

@@ -551,16 +551,40 @@ class MicroBatcher:
     # -- dispatch (event loop) -------------------------------------------------------------
 
     def _kick(self) -> None:
-        """Hand queued work to free workers now, or after the configured extra wait."""
+        """Hand queued work to free workers now, or after the configured extra wait where the
+        earliest deadline has room for all of it and then the queue's batch run (a request
+        come during the wait with less room ends it)."""
         if not self._heap or len(self._running) >= self._workers_n:
             return
         delay_s = self._max_queue_delay_s
         if delay_s > 0 and not self._closing and self._queued_rows < self.max_batch_rows:
-            if self._delayed is None:
-                assert self._loop is not None
-                self._delayed = self._loop.call_later(delay_s, self._after_delay)
-            return
+            loop = self._loop
+            assert loop is not None
+            if self._delayed is not None:
+                if self._room_s() > self._delayed.when() - loop.time():
+                    return
+            elif delay_s < self._room_s():
+                self._delayed = loop.call_later(delay_s, self._after_delay)
+                return
+        if self._delayed is not None:
+            self._delayed.cancel()
+            self._delayed = None
         self._dispatch()
+
+    def _waits_past_room(self) -> bool:
+        """Whether the wait for company now running ends later than the queue has room for."""
+        waiting, loop = self._scheduled, self._loop
+        if not isinstance(waiting, asyncio.TimerHandle) or loop is None:
+            return False
+        return self._room_s() <= waiting.when() - loop.time()
+
+    def _room_s(self) -> float:
+        """How long the queued rows could wait and still, run as one batch, meet the earliest
+        deadline among them (the head of the queue)."""
+        head = self._heap[0]
+        model = self.time_model
+        run_s = model.estimate_s(model.cells(self._queued_rows, head.history_length))
+        return head.deadline - time.monotonic() - run_s
 
     def _after_delay(self) -> None:
         self._delayed = None
@@ -577,9 +601,11 @@ class MicroBatcher:
                     self._queued_rows >= self.max_batch_rows
                     or self._closing
                     or self._gather.ends_early(self._queued_rows)
+                    or self._waits_past_room()
                 ):
                     # A full batch waits for no more company, nor one the server is closing,
-                    # nor one whose expected company came.
+                    # nor one whose expected company came, nor one that a request come since
+                    # has no time left to wait for.
                     self._gather.early = True
                     self._scheduled.cancel()
                     self._scheduled = self._loop.call_soon(self._dispatch_next)

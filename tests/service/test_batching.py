@@ -102,7 +102,8 @@ def test_idle_engine_adds_no_wait():
         )
         batcher.start()
         rows = RowBatch(np.zeros((1, 4), np.float32), None, None)
-        scored = asyncio.create_task(batcher.submit(rows, time.monotonic() + 3600))
+        # A deadline with room for the longest wait below, so that the wait is taken.
+        scored = asyncio.create_task(batcher.submit(rows, time.monotonic() + 7200))
         for _ in range(10):
             await asyncio.sleep(0)  # one turn of the loop: no time passes for a timer
         at_once = scored.done()
@@ -112,6 +113,37 @@ def test_idle_engine_adds_no_wait():
 
     assert asyncio.run(scored_at_once(0.0))
     assert not asyncio.run(scored_at_once(3600.0))
+
+
+def test_an_extra_wait_for_company_never_holds_a_request_past_its_room():
+    """The configured extra wait (max_queue_delay) holds no request whose deadline has no room
+    for it: one that comes so is scored at once, and one that comes during a wait ends it."""
+
+    def run(rows: RowBatch) -> Scored:
+        return Scored(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        batcher = MicroBatcher(
+            run, max_batch_rows=16, max_queue_rows=64, workers=1, max_queue_delay_s=3600.0
+        )
+        batcher.start()
+        rows = RowBatch(np.zeros((1, 4), np.float32), None, None)
+
+        async def within_turns(task: asyncio.Task[Scored]) -> bool:
+            for _ in range(10):
+                await asyncio.sleep(0)  # one turn of the loop: no time passes for a timer
+            return task.done()
+
+        hasty = asyncio.create_task(batcher.submit(rows, time.monotonic() + 60))
+        hasty_at_once = await within_turns(hasty)
+        patient = asyncio.create_task(batcher.submit(rows, time.monotonic() + 7200))
+        patient_waits = not await within_turns(patient)
+        joining = asyncio.create_task(batcher.submit(rows, time.monotonic() + 60))
+        wait_ended = await within_turns(patient) and joining.done()
+        await batcher.close(1.0)
+        return hasty_at_once, patient_waits, wait_ended
+
+    assert asyncio.run(scenario()) == (True, True, True)
 
 
 def test_batching_off_with_max_batch_size_one(seq_models):

@@ -129,6 +129,22 @@ def test_a_request_whose_deadline_leaves_no_room_does_not_wait():
     assert _prompt(deadline_s=60.0)
 
 
+@pytest.mark.usefixtures("probe_every_batch")
+def test_a_request_come_during_a_wait_with_no_room_for_its_rest_ends_it():
+    async def scenario() -> bool:
+        batches: list[int] = []
+        batcher = _batcher(batches)
+        batcher.start()
+        waiting = _submit(batcher)
+        assert not await _done_within(waiting, PROMPT_TURNS)  # it waits for company
+        hasty = asyncio.create_task(batcher.submit(_row(), time.monotonic() + 60.0))
+        ended = await _done_within(hasty, PROMPT_TURNS) and waiting.done()
+        await batcher.close(1.0)
+        return ended and batches == [2]
+
+    assert asyncio.run(scenario())
+
+
 def test_light_load_never_waits():
     # Before any wait has brought company, a lone request on an idle engine runs at once.
     assert _prompt()
