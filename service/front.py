@@ -270,6 +270,12 @@ def _run_worker(settings: Settings, address: str) -> None:
 
     from service.server import serve
 
+    # Forked, a worker holds the front's signal handlers until `serve` sets its own, after
+    # loading its models: until then a stop ends it, and a reload or a log roll waits.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # The front decides when workers stop: a Ctrl-C in a terminal reaches it alone.
     os.setpgid(0, 0)
     _end_with_parent()

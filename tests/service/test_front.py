@@ -288,3 +288,63 @@ def test_the_front_terminates_the_settings_tls(models: Path, tmp_path: Path):
         with grpc.insecure_channel(target) as channel, pytest.raises(grpc.RpcError) as refused:
             pb_grpc.RiskScoringStub(channel).Score(sequence_request(3, 5), timeout=5)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def _loading_front(models: Path, **env: str) -> tuple[Popen, list[int]]:
+    """`riskserve serve` with the front over two workers whose models take a while to load
+    (many warm-up runs); returned once each worker has its own signal dispositions: SIGHUP
+    ignored until it serves (/proc's SigIgn), not the front's handler it was forked with."""
+    environ = {
+        **os.environ,
+        "RISKSERVE_MODELS_DIR": str(models),
+        "RISKSERVE_FRONT": "haproxy",
+        "RISKSERVE_PROCESSES": "2",
+        "RISKSERVE_PORT": str(free_port()),
+        "RISKSERVE_METRICS_PORT": "none",
+        "RISKSERVE_TRACE_FILE": "none",
+        "RISKSERVE_DEFAULT_MODEL": "seq-mini",
+        "RISKSERVE_WARMUP_ITERATIONS": "2000",
+        **env,
+    }
+    proc = Popen(
+        [sys.executable, "-m", "service", "serve"],
+        env=environ,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def ignores_sighup(pid: int) -> bool:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+        ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+        return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
+
+    def workers_loading() -> bool:
+        workers = _children(proc.pid)
+        return len(workers) == 2 and all(ignores_sighup(w) for w in workers)
+
+    wait_until(workers_loading, timeout_s=60)  # both loading, SIGHUP ignored
+    return proc, _children(proc.pid)
+
+
+@needs_haproxy
+def test_a_reload_signal_while_the_workers_load_waits_and_the_service_comes_up(models: Path):
+    proc, workers = _loading_front(models)
+    try:
+        proc.send_signal(signal.SIGHUP)  # forwarded to the loading workers, which ignore it
+        wait_until(lambda: len(_children(proc.pid)) == 3, timeout_s=120)  # HAProxy started
+        assert proc.poll() is None and all(Path(f"/proc/{w}").exists() for w in workers)
+    finally:
+        proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+@needs_haproxy
+def test_a_stop_while_the_workers_load_ends_them_at_once(models: Path):
+    # A grace longer than the wait below: a worker that let its stop wait would outlast it.
+    proc, workers = _loading_front(models, RISKSERVE_SHUTDOWN_GRACE_S="60")
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert not [w for w in workers if Path(f"/proc/{w}").exists()]
