@@ -37,9 +37,10 @@ class AsyncRiskClient(ClientBase):
     streams, 2.7 times its unary capacity, where unary calls the front admits or refuses got
     1,200 (docs/benchmarks.md, "Overload"). Several streams, not one: the client reads a
     stream's answers one a turn of its event loop, and behind the front each stream stays on
-    the worker it reached. A call whose request_id is already in flight on a stream is a
-    unary call, and so is every call while the channel has no connection up: it fails fast
-    where the server is down, as a stream would not.
+    the worker it reached. A call whose request_id is already in flight on a stream, or was
+    given up there (timed out, cancelled) with its answer still due, is a unary call, and so
+    is every call while the channel has no connection up: it fails fast where the server is
+    down, as a stream would not.
     """
 
     def __init__(

@@ -117,6 +117,9 @@ class AsyncScoreStream:
         self.resend_unanswered = resend_unanswered
         self._timeout_s = timeout_s
         self._pending: dict[str, _Pending] = {}
+        # Ids the current stream sent whose callers gave up (timed out, cancelled): their
+        # answers are still due, and must not answer a request sent again under the same id.
+        self._given_up: set[str] = set()
         self._outbox: deque[_Pending] = deque()
         self._wake_sender: asyncio.Future[None] | None = None
         self._has_work: asyncio.Event | None = None
@@ -142,8 +145,9 @@ class AsyncScoreStream:
         return len(self._pending)
 
     def carries(self, request_id: str) -> bool:
-        """Whether a request with this id is in flight on the stream (ids must be unique)."""
-        return request_id in self._pending
+        """Whether a request with this id is in flight on the stream, or was sent and given up
+        with its answer still due (ids must be unique among them)."""
+        return request_id in self._pending or request_id in self._given_up
 
     @property
     def sent_unanswered(self) -> int:
@@ -170,6 +174,11 @@ class AsyncScoreStream:
                 message.timeout_us = max(1, int(timeout_s * 1e6))
         if request_id in self._pending:
             raise ValueError(f"request_id {request_id!r} is already in flight on this stream")
+        if request_id in self._given_up:
+            raise ValueError(
+                f"request_id {request_id!r} was sent on this stream and its answer is still "
+                "due; send it again with a unary call, or once that answer has come"
+            )
         loop = asyncio.get_running_loop()
         pending = _Pending(message, loop.create_future(), timeout_s)
         self._pending[request_id] = pending
@@ -188,8 +197,10 @@ class AsyncScoreStream:
                 self.throttle.record(exc.code)
             raise
         finally:
-            if self._pending.get(request_id) is pending:
+            if self._pending.get(request_id) is pending:  # its caller gave up (cancelled)
                 del self._pending[request_id]
+                if pending.sent:
+                    self._given_up.add(request_id)
             if pending.timer is not None:
                 pending.timer.cancel()
         if self.throttle is not None:
@@ -256,6 +267,8 @@ class AsyncScoreStream:
     def _expire(self, request_id: str) -> None:
         pending = self._pending.pop(request_id, None)
         if pending is not None:
+            if pending.sent:
+                self._given_up.add(request_id)
             _fail(
                 pending,
                 ScoringError(_DEADLINE_EXCEEDED, "no answer within the call's timeout", request_id),
@@ -276,6 +289,7 @@ class AsyncScoreStream:
             code, details = await self._one_stream()
             self._generation += 1
             self._on_stream = 0
+            self._given_up.clear()  # their answers were due on the stream that ended
             # gRPC leaves a failed call's request generator waiting: wake it to see its stream
             # is gone and end, before the next stream's generator waits in its turn.
             self._wake()
@@ -316,6 +330,10 @@ class AsyncScoreStream:
             async for reply in call:
                 self.answered += 1
                 self._on_stream -= 1
+                if reply.request_id in self._given_up:
+                    self._given_up.discard(reply.request_id)
+                    self._adapt(late=True)
+                    continue
                 entry = pending.pop(reply.request_id, None)
                 if entry is None or entry.future.done():
                     self._adapt(late=True)  # timed out already
