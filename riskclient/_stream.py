@@ -232,9 +232,9 @@ class AsyncScoreStream:
                 self._runner = None
         self._fail_pending()
 
-    def _fail_pending(self) -> None:
+    def _fail_pending(self, why: str = "the stream client was closed") -> None:
         for pending in tuple(self._pending.values()):
-            _fail(pending, StreamClosed("the stream client was closed before this was answered"))
+            _fail(pending, StreamClosed(f"{why} before this was answered"))
         self._pending.clear()
 
     def _wake(self) -> None:
@@ -275,6 +275,14 @@ class AsyncScoreStream:
             )
 
     async def _run(self) -> None:
+        try:
+            await self._streams()
+        finally:
+            if not self._closing:  # ended by itself: its channel closed, or its task cancelled
+                self._closing = True
+                self._fail_pending("the stream client's channel was closed")
+
+    async def _streams(self) -> None:
         """Open a stream, answer what it carries, and open the next when it breaks."""
         assert self._has_work is not None
         backoff_s = _FIRST_BACKOFF_S

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import grpc
 from waiting import until, wait_until
 
-from riskclient import AsyncScoreStream, RiskClient, StreamClosed
+from riskclient import AsyncRiskClient, AsyncScoreStream, RiskClient, StreamClosed
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
@@ -85,3 +85,30 @@ def test_the_blocking_stream_client_closes_within_its_grace_too():
         serving.join()
         loop.close()
     assert len(outcome) == 1
+
+
+def test_a_stream_whose_client_closes_under_it_fails_what_it_holds_and_what_comes_after():
+    """A stream from `client.stream()` still open when its client closes (the channel goes):
+    the request it carries fails with StreamClosed, as does any sent on it after."""
+
+    async def run() -> tuple[BaseException | None, BaseException | None]:
+        server, servicer, target = await _silent_server()
+        try:
+            client = AsyncRiskClient(target)
+            stream = client.stream()
+            waiting = asyncio.ensure_future(stream.score(pb.ScoreRequest(request_id="r1")))
+            await until(lambda: servicer.read == ["r1"])
+            await client.close()
+            await asyncio.wait({waiting}, timeout=30)
+            try:
+                await asyncio.wait_for(stream.score(pb.ScoreRequest(request_id="r2")), 30)
+                after = None
+            except (StreamClosed, TimeoutError) as exc:
+                after = exc
+            return waiting.exception() if waiting.done() else None, after
+        finally:
+            await server.stop(None)
+
+    held, after = asyncio.run(run())
+    assert isinstance(held, StreamClosed) and "channel was closed" in str(held), held
+    assert isinstance(after, StreamClosed)
