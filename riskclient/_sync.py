@@ -11,7 +11,7 @@ import grpc
 
 from riskclient._base import ClientBase
 from riskclient._connection import Connection
-from riskclient._errors import ScoringError
+from riskclient._errors import ScoringError, StreamClosed
 from riskclient._messages import RequestLike, as_request
 from riskclient._stream import CLOSE_GRACE_S, AsyncScoreStream
 from riskclient._throttle import AdaptiveThrottle
@@ -98,6 +98,9 @@ class ScoreStream:
         throttle: AdaptiveThrottle | None = None,
     ) -> None:
         self._loop = asyncio.new_event_loop()
+        # Held to hand the loop a request, and to close: nothing reaches a stopped loop.
+        self._submitting = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="riskclient-stream", daemon=True
         )
@@ -133,14 +136,23 @@ class ScoreStream:
         return self._stream.sent_unanswered
 
     def score(self, request: RequestLike, *, timeout_s: float | None = None) -> pb.ScoreResponse:
-        """Score one request on the shared stream; raises ScoringError when it is not scored."""
-        return self._run(self._stream.score(request, timeout_s=timeout_s))
+        """Score one request on the shared stream; raises ScoringError when it is not scored,
+        StreamClosed once the stream is closed."""
+        with self._submitting:
+            if self._closed:
+                raise StreamClosed("the stream client is closed")
+            scored = asyncio.run_coroutine_threadsafe(
+                self._stream.score(request, timeout_s=timeout_s), self._loop
+            )
+        return scored.result()
 
     def close(self, grace_s: float | None = CLOSE_GRACE_S) -> None:
         """Wait up to `grace_s` (None: for good) for the requests sent to be answered, then
         end the stream and its thread (see `AsyncScoreStream.close`)."""
-        if not self._thread.is_alive():
-            return
+        with self._submitting:
+            if self._closed or not self._thread.is_alive():
+                return
+            self._closed = True
         try:
             self._run(self._stream.close(grace_s))
             self._run(self._channel.close())

@@ -79,12 +79,16 @@ def test_the_blocking_stream_client_closes_within_its_grace_too():
             wait_until(lambda: servicer.read == ["r1"])
             stream.close(grace_s=0.05)
             caller.join()
+            try:  # and a request after the close is refused at once
+                stream.score(pb.ScoreRequest(request_id="r2"))
+            except StreamClosed as exc:
+                outcome.append(exc)
     finally:
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result()
         loop.call_soon_threadsafe(loop.stop)
         serving.join()
         loop.close()
-    assert len(outcome) == 1
+    assert len(outcome) == 2
 
 
 def test_a_stream_whose_client_closes_under_it_fails_what_it_holds_and_what_comes_after():
