@@ -404,8 +404,7 @@ class MicroBatcher:
         for _ in self._threads:
             self._inbox.put(None)
         while self._heap:
-            job = heapq.heappop(self._heap)
-            self._fail(job, Unavailable("server is shutting down"))
+            self._fail(self._pop(), Unavailable("server is shutting down"))
         for running in self._running.values():
             for job in running.jobs:
                 self._fail(job, Unavailable("server is shutting down"))
