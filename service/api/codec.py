@@ -159,12 +159,18 @@ def _history_matrix(
     return _finite(matrix, f"{prefix}history", manifest)
 
 
-def check_ranges(features: np.ndarray, manifest: Manifest, field_template: str) -> None:
+def check_ranges(
+    features: np.ndarray,
+    manifest: Manifest,
+    field_template: str,
+    positions: Sequence[int] | None = None,
+) -> None:
     """Refuse any value outside the manifest's declared range for its feature.
 
     `features` is (n, F) in manifest order; `field_template` names a bad value's field from
-    its `{row}` and `{feature}` name (``"requests[{row}].features[{feature!r}]"``). NaN
-    passes here: the NaN policy has dealt with it already.
+    its `{row}` and `{feature}` name (``"requests[{row}].features[{feature!r}]"``), `{row}`
+    being the row's place in `positions` where given. NaN passes here: the NaN policy has
+    dealt with it already.
     """
     bounds = manifest.feature_bounds
     if bounds is None:
@@ -175,8 +181,9 @@ def check_ranges(features: np.ndarray, manifest: Manifest, field_template: str) 
         return
     row, column = (int(i) for i in np.argwhere(outside)[0])
     name = manifest.features[column]
+    named_row = row if positions is None else positions[row]
     raise InvalidRequest(
-        field_template.format(row=row, feature=name),
+        field_template.format(row=named_row, feature=name),
         f"{float(features[row, column]):g} is outside the model's range "
         f"[{float(low[column]):g}, {float(high[column]):g}]",
     )
@@ -210,23 +217,35 @@ def decode_score_request(
     return rows
 
 
-def decode_score_batch(request: pb.ScoreBatchRequest, manifest: Manifest) -> tuple[RowBatch, ...]:
-    """One row per item, each unpadded: the batcher pads them with the rest of their batch."""
-    n = len(request.requests)
+def decode_score_batch(
+    request: pb.ScoreBatchRequest, manifest: Manifest, positions: Sequence[int] | None = None
+) -> tuple[RowBatch, ...]:
+    """The items at `positions` (None: all), one row each, unpadded (the batcher pads them with
+    the rest of their batch), checked against `manifest`, the model version that answers
+    them; a field is named by its item's place in the request."""
+    items = request.requests
+    if positions is None:
+        positions = range(len(items))
+    n = len(positions)
     if n == 0:
         raise InvalidRequest("requests", "is empty")
     if n > manifest.max_batch_size:
         raise InvalidRequest("requests", f"{n} rows exceed the limit of {manifest.max_batch_size}")
     parts = []
-    for i, item in enumerate(request.requests):
+    for i in positions:
+        item = items[i]
         prefix = f"requests[{i}]."
         if item.model and item.model != request.model:
             raise InvalidRequest(f"{prefix}model", "must be empty or equal the batch's model")
+        if item.model_version and item.model_version != request.model_version:
+            raise InvalidRequest(
+                f"{prefix}model_version", "must be empty or equal the batch's model_version"
+            )
         vector = _feature_vector(item.features, manifest, prefix)
         history = _history_matrix(item.history, manifest, prefix, item)
         parts.append(RowBatch.single(vector, history, manifest.history))
     features = np.concatenate([part.features for part in parts])
-    check_ranges(features, manifest, "requests[{row}].features[{feature!r}]")
+    check_ranges(features, manifest, "requests[{row}].features[{feature!r}]", positions)
     return tuple(parts)
 
 

@@ -28,6 +28,7 @@ from service.api.stream import (
 from service.batching.batcher import Scored
 from service.batching.budget import Budget
 from service.batching.rows import RowBatch
+from service.errors import InvalidRequest
 from service.explanations import occlusion as explain
 from service.models.experiments import Experiments
 from service.models.registry import ModelRegistry, ModelVersion
@@ -113,20 +114,15 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         note_model(name, request.model_version)
         explain.check_batch(request)
         items = request.requests
+        if not items:
+            raise InvalidRequest("requests", "is empty")
         assignments = self._router.route_rows(
             name, request.model_version, [item.entity_id for item in items]
         )
         deadline = self._budget.deadline(context.time_remaining())
         decode_started_ns = time.monotonic_ns()
-        decoded: dict[object, tuple[RowBatch, ...]] = {}
-        groups: list[tuple[RowBatch, ...]] = []
-        for assignment in assignments:
-            manifest = assignment.model.manifest
-            layout = (manifest.features_input, manifest.features, manifest.history)
-            if layout not in decoded:  # versions with the same inputs share one decoding
-                decoded[layout] = decode_score_batch(request, manifest)
-            rows = decoded[layout]
-            groups.append(tuple(rows[i] for i in assignment.rows))
+        # Each version decodes and checks the rows it answers, by its own manifest.
+        groups = [decode_score_batch(request, a.model.manifest, a.rows) for a in assignments]
         note_validated(decode_started_ns)
         if len(groups) == 1:
             outcomes = [await assignments[0].model.batcher.submit(groups[0], deadline)]

@@ -397,6 +397,48 @@ def test_versions_with_different_manifests_each_decode_their_own_rows(tmp_path):
     assert "parameters['entity_id']" in (failed.value.details() or "")
 
 
+def test_a_batch_row_is_checked_only_by_the_version_that_answers_it(tmp_path):
+    """Version 1 takes 16 history rows, version 2 takes 8: a row of 12 routed to version 1 is
+    answered in a batch beside version 2's rows, and a row's field is named by its place. An
+    empty batch, and a row naming another version than its batch, are refused as without an
+    experiment."""
+    models = tmp_path / "models"
+    write_sequence_model(models, version="1", seed=1, max_length=16)
+    write_sequence_model(models, version="2", seed=2, max_length=8)
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    router = ExperimentRouter(
+        ExperimentConfig.model_validate(write_experiment(config, mode="ab", ab_share=0.5))
+    )
+    entities = [f"acct-{i}" for i in range(64)]
+    to_one = next(e for e in entities if router.route(MODEL, e).serving_version == "1")
+    to_two = next(e for e in entities if router.route(MODEL, e).serving_version == "2")
+    long = score_request(1, to_one)
+    long.history.extend([pb.HistoryRow(values=[0.1, 0.2, 0.3])] * (12 - len(long.history)))
+    short = score_request(2, to_two)
+    too_long = score_request(3, to_one)
+    too_long.history.extend([pb.HistoryRow(values=[0.1, 0.2, 0.3])] * 20)
+    named = score_request(4, to_one)
+    named.model_version = "2"
+
+    def refused(stub: pb_grpc.RiskScoringStub, request: pb.ScoreBatchRequest) -> str:
+        with pytest.raises(grpc.RpcError) as failed:
+            stub.ScoreBatch(request, timeout=10)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        return failed.value.details() or ""
+
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        batch = risk.ScoreBatch(pb.ScoreBatchRequest(requests=[short, long]), timeout=10)
+        beyond = refused(risk, pb.ScoreBatchRequest(requests=[short, too_long]))
+        empty = refused(risk, pb.ScoreBatchRequest())
+        other = refused(risk, pb.ScoreBatchRequest(requests=[short, named]))
+    assert [r.model_version for r in batch.responses] == ["2", "1"]
+    assert batch.responses[1].score == pytest.approx(direct(models / MODEL / "1", [long])[0])
+    assert beyond.startswith("requests[1].history: 24 rows exceed the limit of 16")
+    assert empty == "requests: is empty"
+    assert other.startswith("requests[1].model_version: must be empty or equal")
+
+
 def test_shadow_share_applies_per_row_of_a_batch(models, tmp_path):
     config, logs = tmp_path / "experiments.json", tmp_path / "logs"
     router = ExperimentRouter(
