@@ -209,6 +209,10 @@ class EnginePool:
         shapes = _shapes(inputs)
         first_mismatch: ShapeMismatch | None = None
         for engine in engines:
+            if engine is self.fallback and first_mismatch is not None:
+                # Ranked among the engines, the fallback takes what an engine before it did
+                # not fit as the fallback: rows split off where they can be, with the reason.
+                break
             try:
                 engine.select_profile(_without_batch_limit(engine, shapes))
             except ShapeMismatch as exc:
@@ -334,6 +338,8 @@ class EnginePool:
         slow = self.fallback.infer(_take(inputs, rest))
         outputs = {}
         for name, value in fast.items():
+            if name not in slow:  # an output only the engine returns (the fallback runs one)
+                continue
             merged = np.empty((n, *value.shape[1:]), dtype=value.dtype)
             merged[rows] = value
             merged[rest] = slow[name]

@@ -81,10 +81,12 @@ def _batch(lengths: list[int], padded: int) -> dict[str, np.ndarray]:
     }
 
 
-def _pool(*engines: Engine, **kw) -> tuple[EnginePool, FakeEngine]:
+def _pool(*engines: Engine, listed: bool = False, **kw) -> tuple[EnginePool, FakeEngine]:
+    """A pool of `engines` and an ONNX Runtime-like fallback; `listed`: the fallback is ranked
+    among the engines too, last, as the service's loader wires it."""
     fallback = FakeEngine("onnxruntime-cpu", max_batch=None, max_length=None, precision="fp32")
     fallback.kind = "onnxruntime"
-    return EnginePool(list(engines), fallback, **kw), fallback
+    return EnginePool([*engines, *([fallback] if listed else [])], fallback, **kw), fallback
 
 
 def test_fitting_batch_runs_on_the_first_engine() -> None:
@@ -129,6 +131,36 @@ def test_mixed_batch_is_split_by_row_and_reassembled() -> None:
     # The engine saw only its rows, trimmed to their longest history.
     assert fast.calls == [{"features": (4, 4), "history": (4, 16, 2), "history_mask": (4, 16)}]
     assert fallback.calls[0]["features"] == (2, 4)
+
+
+def test_a_fallback_ranked_among_the_engines_takes_what_they_do_not_fit_as_the_fallback():
+    fast = FakeEngine("tensorrt-fp16")
+    pool, _ = _pool(fast, listed=True)
+    inputs = _batch([3, 40, 16], padded=40)
+    result = pool.run(inputs)
+    assert result.row_engines == ("tensorrt-fp16", "onnxruntime-cpu", "tensorrt-fp16")
+    assert result.fallback_reason == "shape_mismatch: history length 40 outside 1..16"
+    np.testing.assert_allclose(result.outputs["score"], _score(inputs), rtol=1e-6)
+    whole = pool.run(_batch([80, 70], padded=80))  # no row fits: the fallback, with the reason
+    assert whole.engine_name == "onnxruntime-cpu"
+    assert whole.fallback_reason.startswith("shape_mismatch: history dims [2, 80, 2]")
+
+
+class _WithLogit(FakeEngine):
+    """An engine that returns every output of its graph, as TensorRT does: one more than the
+    score the fallback is asked for."""
+
+    def _infer(self, inputs, profile):
+        outputs = super()._infer(inputs, profile)
+        return {**outputs, "logit": outputs["score"] * 2}
+
+
+def test_a_split_batch_joins_the_outputs_both_engines_returned():
+    pool, _ = _pool(_WithLogit("tensorrt-fp16"))
+    inputs = _batch([3, 40, 16], padded=40)
+    result = pool.run(inputs)
+    assert set(result.outputs) == {"score"}
+    np.testing.assert_allclose(result.outputs["score"], _score(inputs), rtol=1e-6)
 
 
 def test_padding_alone_does_not_cause_a_fallback() -> None:
