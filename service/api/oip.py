@@ -44,7 +44,7 @@ from service.api.stream import (
 from service.batching.batcher import Scored
 from service.batching.budget import Budget
 from service.batching.rows import RowBatch
-from service.errors import InvalidRequest, ServiceError, status_for
+from service.errors import InvalidRequest, ScoringFailed, ServiceError, status_for
 from service.models.registry import ModelRegistry, ModelVersion
 from service.models.routing import RequestRouter
 from service.telemetry import RequestTrace, Telemetry
@@ -195,6 +195,7 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                 scored,
                 time.perf_counter() - started,
             )
+        scored.require_finite()
         return encode_infer_response(request, model.version, model.score.served_name, scored.scores)
 
 
@@ -398,13 +399,25 @@ class _StreamJob:
         served = model.score.served_name
         scores = scored.scores
         start = 0
-        for arrival, rows, trace in zip(self.arrivals, self.rows, self.traces, strict=True):
+        unscored = []
+        for k, (arrival, rows, trace) in enumerate(
+            zip(self.arrivals, self.rows, self.traces, strict=True)
+        ):
             end = start + rows
+            try:
+                scored.require_finite(start, end)
+            except ScoringFailed as exc:  # this message's rows only
+                arrival.fail(status_for(exc), str(exc))
+                unscored.append(k)
+                start = end
+                continue
             reply = encode_infer_response(arrival.request, model.version, served, scores[start:end])
             arrival.answer(oip.ModelStreamInferResponse(infer_response=reply))
             start = end
             if trace is not None:
                 trace_scored(trace, model.name, model.version, scored)
+        if unscored:
+            self._record(grpc.StatusCode.INTERNAL, scored.engine, self._split_off(unscored))
         self._record(grpc.StatusCode.OK, scored.engine)
 
     def _failed(self, code: grpc.StatusCode, details: str) -> None:
@@ -412,12 +425,29 @@ class _StreamJob:
             arrival.fail(code, details)
         self._record(code, "")
 
-    def _record(self, code: grpc.StatusCode, engine: str) -> None:
-        """End the answered messages' traces and count them, all with status `code`."""
+    def _split_off(self, picked: list[int]) -> tuple[list[Arrival], list[RequestTrace | None]]:
+        """The messages at `picked`, taken out of the job's (to be counted on their own)."""
+        keep = [k for k in range(len(self.arrivals)) if k not in set(picked)]
+        taken = [self.arrivals[k] for k in picked], [self.traces[k] for k in picked]
+        self.arrivals = [self.arrivals[k] for k in keep]
+        self.traces = [self.traces[k] for k in keep]
+        return taken
+
+    def _record(
+        self,
+        code: grpc.StatusCode,
+        engine: str,
+        messages: tuple[list[Arrival], list[RequestTrace | None]] | None = None,
+    ) -> None:
+        """End the answered messages' traces (the job's, or `messages`) and count them, all
+        with status `code`."""
+        arrivals, traces = messages if messages is not None else (self.arrivals, self.traces)
+        if not arrivals:
+            return
         now_ns = time.monotonic_ns()
         tracing = self.tracing
-        durations = [(now_ns - arrival.received_ns) / 1e9 for arrival in self.arrivals]
-        kept = [_ended(tracing, trace, code) for trace in self.traces]
+        durations = [(now_ns - arrival.received_ns) / 1e9 for arrival in arrivals]
+        kept = [_ended(tracing, trace, code) for trace in traces]
         if self.telemetry is not None:
             model = self.model
             self.telemetry.metrics.observe_requests(

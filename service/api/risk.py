@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import AsyncIterator
 
@@ -221,10 +220,11 @@ def _response(
     request_id: str, model: ModelVersion, scored: Scored, row: int, started: float
 ) -> pb.ScoreResponse:
     manifest = model.manifest
+    scored.require_finite(row, row + 1)
     score = float(scored.scores[row])
     engine, fallback_reason = scored.row_engine(row)
     decision: str
-    if scored.degraded or math.isnan(score):
+    if scored.degraded:
         decision = manifest.fallback_decision
         score = 0.0
     else:

@@ -135,6 +135,13 @@ class Scored:
             batch_rows=sum(run.batch_rows for run in runs),
         )
 
+    def require_finite(self, start: int = 0, end: int | None = None) -> None:
+        """Raise ScoringFailed where a row in `start:end` has no finite score: the last engine
+        tried (the fallback) gave none, and a decision made from it would be no decision. A
+        degraded answer's rows have none by design (it carries the fallback decision)."""
+        if not self.degraded and not np.isfinite(self.scores[start:end]).all():
+            raise ScoringFailed("the model gave no finite score for this request's rows")
+
     def row_engine(self, row: int) -> tuple[str, str]:
         """The engine that scored `row` and why it was not the preferred one ('' if it was)."""
         if not self.row_engines:  # the whole batch ran on one engine

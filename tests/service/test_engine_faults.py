@@ -3,16 +3,22 @@ service, its traffic goes to the fallback, and the server stays SERVING."""
 
 from __future__ import annotations
 
+import json
 import threading
+from pathlib import Path
 
 import grpc
 import numpy as np
+import onnx
 import pytest
 from fakes import expected_score, primary_and_fallback
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from liveserver import LiveServer
 from modelkit import write_sequence_model
+from onnx import TensorProto, helper, numpy_helper
 
+from inference import grpc_service_pb2 as oip
+from inference import grpc_service_pb2_grpc as oip_grpc
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
@@ -116,3 +122,73 @@ def test_fallback_failure_is_still_an_error(seq_models):
         with pytest.raises(grpc.RpcError) as err:
             stub.Score(request(1), timeout=5)
         assert err.value.code() == grpc.StatusCode.INTERNAL
+
+
+def _write_overflowing_model(root: Path) -> None:
+    """`amount` in, a probability out, where any |amount| over about 3.4e8 gives NaN: a
+    hidden pair of +amount·1e30 and -amount·1e30 overflows to inf and -inf, and their sum is
+    NaN. A finite request, inside every check, that the model itself cannot score."""
+    folder = root / "overflow" / "1"
+    folder.mkdir(parents=True)
+    weights = numpy_helper.from_array(np.array([[1e30, -1e30]], np.float32), "w")
+    axis = numpy_helper.from_array(np.array([1], np.int64), "axis")
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "w"], ["hidden"]),
+            helper.make_node("ReduceSum", ["hidden", "axis"], ["logit"], keepdims=1),
+            helper.make_node("Sigmoid", ["logit"], ["score"]),
+        ],
+        "overflow",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 1])],
+        [helper.make_tensor_value_info("score", TensorProto.FLOAT, ["batch", 1])],
+        initializer=[weights, axis],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, folder / "model.onnx")
+    manifest = {
+        "name": "overflow",
+        "version": "1",
+        "features_input": "x",
+        "features": ["amount"],
+        "output": "score",
+        "thresholds": {"review": 0.5, "decline": 0.9},
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_row_the_model_gives_no_finite_score_for_is_refused_not_decided(tmp_path):
+    """No engine's non-finite check stands behind the last one tried: a request whose row the
+    model turns into NaN is answered INTERNAL, on every path, and a stream's other messages
+    are still scored."""
+    _write_overflowing_model(tmp_path)
+
+    def infer(amount: float, request_id: str) -> oip.ModelInferRequest:
+        request = oip.ModelInferRequest(model_name="overflow", id=request_id)
+        request.inputs.add(name="x", datatype="FP32", shape=[1, 1])
+        request.raw_input_contents.append(np.array([[amount]], "<f4").tobytes())
+        return request
+
+    server = LiveServer(models_dir=tmp_path, default_model="overflow", onnx_variants=False)
+    with server as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        inference = oip_grpc.GRPCInferenceServiceStub(channel)
+        calls = {
+            "Score": lambda: risk.Score(pb.ScoreRequest(features={"amount": 1e9}), timeout=10),
+            "ModelInfer": lambda: inference.ModelInfer(infer(1e9, "big"), timeout=10),
+        }
+        failures = {}
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as failed:
+                call()
+            failures[name] = (failed.value.code(), failed.value.details())
+        fine = risk.Score(pb.ScoreRequest(features={"amount": 0.5}), timeout=10)
+        stream = inference.ModelStreamInfer(
+            iter([infer(0.5, "small"), infer(1e9, "big"), infer(0.25, "smaller")]), timeout=10
+        )
+        answers = {r.infer_response.id or "big": r.error_message for r in stream}
+    for code, details in failures.values():
+        assert code == grpc.StatusCode.INTERNAL and "no finite score" in details
+    assert 0 < fine.score < 1
+    assert answers["small"] == answers["smaller"] == ""
+    assert "no finite score" in answers["big"]
