@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -327,9 +328,12 @@ async def serve(
     if settings.switch_interval_us:
         sys.setswitchinterval(settings.switch_interval_us / 1e6)
         log.info("thread switch interval %.0f µs", sys.getswitchinterval() * 1e6)
+    if threading.current_thread() is threading.main_thread():
+        # Until the handlers below are in place (the models load first), a reload or a log
+        # roll waits: their default action would end the process.
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     running = await build_server(settings, address=address)
-    if address is None:
-        print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -337,6 +341,8 @@ async def serve(
     if running.watcher is not None:
         loop.add_signal_handler(signal.SIGHUP, running.watcher.trigger)
     loop.add_signal_handler(signal.SIGUSR1, running.roll_experiment_logs)
+    if address is None:  # after the handlers: a stop sent on seeing this line drains
+        print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -290,6 +290,16 @@ def test_the_front_terminates_the_settings_tls(models: Path, tmp_path: Path):
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
+def _ignores(pid: int, signum: int) -> bool:
+    """Whether process `pid` ignores `signum` now (/proc's SigIgn)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
+    return bool(int(ignored.split()[1], 16) & (1 << (signum - 1)))
+
+
 def _loading_front(models: Path, **env: str) -> tuple[Popen, list[int]]:
     """`riskserve serve` with the front over two workers whose models take a while to load
     (many warm-up runs); returned once each worker has its own signal dispositions: SIGHUP
@@ -313,17 +323,9 @@ def _loading_front(models: Path, **env: str) -> tuple[Popen, list[int]]:
         stderr=subprocess.DEVNULL,
     )
 
-    def ignores_sighup(pid: int) -> bool:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except FileNotFoundError:
-            return False
-        ignored = next(line for line in status.splitlines() if line.startswith("SigIgn:"))
-        return bool(int(ignored.split()[1], 16) & (1 << (signal.SIGHUP - 1)))
-
     def workers_loading() -> bool:
         workers = _children(proc.pid)
-        return len(workers) == 2 and all(ignores_sighup(w) for w in workers)
+        return len(workers) == 2 and all(_ignores(w, signal.SIGHUP) for w in workers)
 
     wait_until(workers_loading, timeout_s=60)  # both loading, SIGHUP ignored
     return proc, _children(proc.pid)
@@ -348,3 +350,32 @@ def test_a_stop_while_the_workers_load_ends_them_at_once(models: Path):
     proc.terminate()
     assert proc.wait(timeout=30) == 0
     assert not [w for w in workers if Path(f"/proc/{w}").exists()]
+
+
+def test_a_lone_server_loading_its_models_outlives_a_reload_or_log_roll_signal(models: Path):
+    """`riskserve serve` without the front: SIGHUP and SIGUSR1 while the models load (their
+    default action ends a process) wait, and the server comes up."""
+    environ = {
+        **os.environ,
+        "RISKSERVE_MODELS_DIR": str(models),
+        "RISKSERVE_FRONT": "none",
+        "RISKSERVE_PORT": str(free_port()),
+        "RISKSERVE_METRICS_PORT": "none",
+        "RISKSERVE_TRACE_FILE": "none",
+        "RISKSERVE_DEFAULT_MODEL": "seq-mini",
+        "RISKSERVE_WARMUP_ITERATIONS": "2000",
+    }
+    argv = [sys.executable, "-m", "service", "serve"]
+    with Popen(
+        argv, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        try:
+            wait_until(lambda: _ignores(proc.pid, signal.SIGUSR1), timeout_s=60)  # loading
+            proc.send_signal(signal.SIGUSR1)
+            proc.send_signal(signal.SIGHUP)
+            assert proc.stdout is not None
+            said = (line for line in proc.stdout if line.startswith("riskserve listening on"))
+            assert next(said, None) is not None  # None: the output ended, the server with it
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=60) == 0
