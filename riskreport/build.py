@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from engines.manifest import Thresholds
 from riskreport import stats
-from riskreport.dataset import open_records, spooled_rows, sql_text
+from riskreport.dataset import open_records, spooled_rows, sql_text, unreadable_files
 from riskreport.labels import load_labels
 from riskreport.stats import Interval, OrderedBatch, SortedPass
 from service.explanations.reasons import TopReasonComparison
@@ -100,7 +100,8 @@ class ArmSummary:
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    """One challenger version against the champion; paired figures use shared request_ids."""
+    """One challenger version against the champion; paired figures use the request ids both
+    arms logged exactly once (records without one, or with a repeated one, pair with none)."""
 
     challenger_version: str
     pairs: int
@@ -127,6 +128,9 @@ class Comparison:
     """Champion requests logged in shadow mode: the challenger's coverage is `pairs` of them.
     The rest have no answer of its: outside its shadow share, sampled out while the shadow
     worker was behind, or dropped."""
+    repeated_request_ids: int = 0
+    """Request ids logged more than once by the champion or by this challenger: left out of
+    the pairs, since which answer goes with which is unknown."""
 
     @property
     def coverage(self) -> float | None:
@@ -159,6 +163,8 @@ class Report:
     comparisons: tuple[Comparison, ...]
     spooled_records: int = 0
     """Records read from open log files a running writer has not yet rolled into Parquet."""
+    unreadable_files: tuple[str, ...] = ()
+    """Parquet files left out because they cannot be read (cut short by a crash, say)."""
 
     def to_dict(self) -> dict[str, Any]:
         return _finite(asdict(self))
@@ -334,6 +340,7 @@ def _report(
         arms=tuple(summaries),
         comparisons=tuple(comparisons),
         spooled_records=spooled_rows(con),
+        unreadable_files=unreadable_files(con),
     )
 
 
@@ -554,15 +561,15 @@ def _compare(
     labels_join = f"LEFT {_label_join(options, 'c')}" if options.labels_key else ""
     unit = "u.code" if options.labels_key else "0"
     units_join = f"JOIN units u ON u.u = {_unit_key(options, 'c')}" if options.labels_key else ""
+    champion_ids = _identified(_CHAMPION, {"entity_id": "entity_id", "score": "score", "d": code})
+    challenger_ids = _identified(_where("challenger", version), {"score": "score", "d": code})
     con.execute(
         "CREATE OR REPLACE TEMP TABLE pairs AS SELECT "
         f"c.score AS a, h.score AS b, c.d AS da, h.d AS db, {label} AS label, {unit} AS code "
-        f"FROM (SELECT request_id, entity_id, score, {code} AS d FROM records "
-        "WHERE arm = 'champion') c JOIN "
-        f"(SELECT request_id, score, {code} AS d FROM records "
-        f"WHERE {_where('challenger', version)}) h "
-        f"ON hash(c.request_id) = hash(h.request_id) {labels_join} {units_join}"
+        f"FROM ({champion_ids}) c JOIN ({challenger_ids}) h "
+        f"ON c.request_id = h.request_id {labels_join} {units_join}"
     )
+    repeated = _scalar(con, _repeated_ids_sql(version))
     shadowed = _scalar(
         con, "SELECT count(*) FROM records WHERE arm = 'champion' AND mode = 'shadow'"
     )
@@ -607,15 +614,46 @@ def _compare(
         auc_difference_method=method if delta is not None else None,
         verdict=_verdict(delta),
         shadowed=shadowed,
+        repeated_request_ids=repeated,
+    )
+
+
+_CHAMPION = "arm = 'champion'"
+
+
+def _identified(where: str, columns: dict[str, str]) -> str:
+    """SQL: one row per request id that occurs once among the records `where` selects, with
+    `columns` (name: expression) of its record. A request logged without an id (an empty
+    one, from older servers) pairs with nothing; nor does an id logged twice in an arm (a
+    client reusing ids), as which answer goes with which is unknown."""
+    picked = ", ".join(f"any_value({expression}) AS {name}" for name, expression in columns.items())
+    return (
+        f"SELECT request_id, {picked} FROM records WHERE {where} AND request_id <> '' "
+        "GROUP BY request_id HAVING count(*) = 1"
+    )
+
+
+def _repeated_ids_sql(version: str) -> str:
+    """SQL: how many request ids `_identified` leaves out of the pairs by repeating in the
+    champion's records or in challenger `version`'s."""
+    arm = f"(CASE WHEN {_CHAMPION} THEN 'champion' ELSE 'challenger' END)"
+    return (
+        "SELECT count(DISTINCT request_id) FROM (SELECT request_id FROM records "
+        f"WHERE ({_CHAMPION} OR ({_where('challenger', version)})) AND request_id <> '' "
+        f"GROUP BY request_id, {arm} HAVING count(*) > 1)"
     )
 
 
 def _top_reasons(con: duckdb.DuckDBPyConnection, version: str) -> TopReasonComparison:
-    """`reasons.compare_top_reasons` in SQL: requests paired by id, both arms with a reason."""
-    top = "SELECT request_id, reason_codes[1] AS code FROM records WHERE len(reason_codes) > 0"
+    """`reasons.compare_top_reasons` in SQL: the requests paired as `_compare` pairs them, where
+    both arms gave a reason."""
+    top = {"code": "CASE WHEN len(reason_codes) > 0 THEN reason_codes[1] END"}
+    champion = _identified(_CHAMPION, top)
+    challenger = _identified(_where("challenger", version), top)
     pairs, differing = con.execute(
-        f"SELECT count(*), count(*) FILTER (c.code <> h.code) FROM ({top} AND arm = 'champion') c "
-        f"JOIN ({top} AND {_where('challenger', version)}) h ON c.request_id = h.request_id"
+        f"SELECT count(*), count(*) FILTER (c.code <> h.code) FROM ({champion}) c "
+        f"JOIN ({challenger}) h ON c.request_id = h.request_id "
+        "WHERE c.code IS NOT NULL AND h.code IS NOT NULL"
     ).fetchall()[0]
     return TopReasonComparison(int(pairs), int(differing))
 

@@ -23,6 +23,13 @@ img{max-width:100%;border:1px solid #eee}.ci{color:#555;font-size:.85em}
 """
 
 
+def _unreadable(report: Report) -> list[str]:
+    if not report.unreadable_files:
+        return []
+    names = ", ".join(_e(name) for name in report.unreadable_files)
+    return [f"<p>{len(report.unreadable_files)} unreadable Parquet file(s) skipped: {names}.</p>"]
+
+
 def render_html(report: Report) -> str:
     """The report as a complete HTML document that needs no network or other files."""
     parts = [
@@ -33,6 +40,7 @@ def render_html(report: Report) -> str:
         f"{_e(_thresholds(report))}.</p>",
         f"<p>95% intervals: {_e(_method(report))}; resampling unit: "
         f"{_e(report.interval_unit)}.</p>",
+        *_unreadable(report),
         "<h2>Arms</h2>",
         _arms_table(report),
     ]
@@ -48,6 +56,10 @@ def render_html(report: Report) -> str:
                     [
                         "coverage (paired / champion in shadow mode)",
                         "n/a" if comparison.coverage is None else comparison.coverage,
+                    ],
+                    [
+                        "request ids repeated in an arm (unpaired)",
+                        comparison.repeated_request_ids,
                     ],
                     ["decision agreement", comparison.decision_agreement],
                     ["decision flips", comparison.decision_flips],

@@ -55,6 +55,22 @@ def _coverage(c: Comparison) -> list[str]:
     ]
 
 
+def _repeated(c: Comparison) -> list[str]:
+    n = c.repeated_request_ids
+    if not n:
+        return []
+    ids = "request id appears" if n == 1 else "request ids appear"
+    return [f"  {n:,} {ids} more than once in an arm: left unpaired"]
+
+
+def _unreadable(report: Report) -> list[str]:
+    n = len(report.unreadable_files)
+    if not n:
+        return []
+    files = "file" if n == 1 else "files"
+    return [f"{n:,} unreadable Parquet {files} skipped (named in the warnings and the JSON)"]
+
+
 def render_summary(report: Report) -> str:
     """Per arm: records, labelled, AUC with interval; per challenger: the comparison."""
     method = (
@@ -70,6 +86,7 @@ def render_summary(report: Report) -> str:
             if report.spooled_records
             else ""
         ),
+        *_unreadable(report),
         f"records from {report.first_record} to {report.last_record}",
         f"95% intervals: {method}, resampling unit: {report.interval_unit}",
         "",
@@ -92,6 +109,7 @@ def render_summary(report: Report) -> str:
             "",
             f"challenger {c.challenger_version} vs champion: {c.pairs:,} paired requests",
             *_coverage(c),
+            *_repeated(c),
             f"  AUC difference (challenger - champion): {_interval(c.auc_difference, True)}"
             + (f" ({c.auc_difference_method})" if c.auc_difference_method else ""),
             f"  PSI {_number(c.psi)}   KS {_number(c.ks_statistic)} (p {c.ks_pvalue:.3g})",

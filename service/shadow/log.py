@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_MAX_FILE_BYTES",
     "ExperimentLog",
     "PartitionWriter",
+    "Unappended",
 ]
 
 DEFAULT_FLUSH_INTERVAL_S = 0.2
@@ -90,6 +91,14 @@ class _Spool:
         self._file.close()
 
 
+class Unappended(OSError):
+    """Appending to the open files failed; `rows` (of the table given) reached none of them."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__(f"{len(rows)} experiment records reached no open file")
+        self.rows = rows
+
+
 def read_spool(path: Path) -> pa.Table:
     """The complete batches of a spool; a batch cut short by a kill is left out."""
     batches: list[pa.RecordBatch] = []
@@ -132,14 +141,37 @@ class PartitionWriter:
         self.rows_published = 0
 
     def append(self, table: pa.Table) -> None:
-        """Append `table` (in `RECORD_SCHEMA`) to its partitions' open files; roll full ones."""
-        for key, part in _partitions(table):
-            spool = self._open.get(key)
-            if spool is None:
-                spool = self._open[key] = self._new_spool(key)
+        """Append `table` (in `RECORD_SCHEMA`) to its partitions' open files; roll full ones.
+
+        Raises `Unappended` (an OSError) naming the rows no open file took. An OSError from
+        rolling comes only once every row is in a spool, which stays for the next recovery.
+        """
+        unappended: list[int] = []
+        failure: OSError | None = None
+        for key, rows in _partitions(table):
+            try:
+                self._append_to(key, table if rows is None else table.take(rows))
+            except OSError as exc:
+                failure = failure or exc
+                unappended += range(table.num_rows) if rows is None else rows.to_pylist()
+        if failure is not None:
+            raise Unappended(sorted(unappended)) from failure
+        for key in [k for k, s in self._open.items() if s.bytes >= self.max_file_bytes]:
+            self._publish(key)
+
+    def _append_to(self, key: tuple[str, str], part: pa.Table) -> None:
+        spool = self._open.get(key)
+        if spool is None:
+            spool = self._open[key] = self._new_spool(key)
+        try:
             spool.append(part)
-            if spool.bytes >= self.max_file_bytes:
-                self._publish(key)
+        except OSError:
+            # A batch cut short inside the stream would hide every later one from readers:
+            # this spool takes no more, and recovery publishes the complete batches before it.
+            del self._open[key]
+            with contextlib.suppress(OSError):
+                spool.release()
+            raise
 
     def roll_due(self) -> None:
         """Roll the files that reached their age."""
@@ -205,19 +237,20 @@ class PartitionWriter:
         self.rows_published += table.num_rows
 
 
-def _partitions(table: pa.Table) -> list[tuple[tuple[str, str], pa.Table]]:
+def _partitions(table: pa.Table) -> list[tuple[tuple[str, str], pa.Array | None]]:
+    """Each (date, model) partition of `table` with its row numbers (None: every row)."""
     if table.num_rows == 0:
         return []
     dates = pc.strftime(table.column("time"), format="%Y-%m-%d")
     models = table.column("model")
     first = (dates[0].as_py(), models[0].as_py())
     if pc.all(pc.equal(dates, first[0])).as_py() and pc.all(pc.equal(models, first[1])).as_py():
-        return [((first[0], safe_segment(first[1])), table)]
+        return [((first[0], safe_segment(first[1])), None)]
     keys = pc.binary_join_element_wise(dates, models, "\x00")
     result = []
     for key in pc.unique(keys).to_pylist():
         date, model = key.split("\x00", 1)
-        result.append(((date, safe_segment(model)), table.filter(pc.equal(keys, key))))
+        result.append(((date, safe_segment(model)), pc.indices_nonzero(pc.equal(keys, key))))
     return result
 
 
@@ -314,22 +347,36 @@ class ExperimentLog:
         with self._write_lock:
             with self._lock:
                 batch, self._buffer = self._buffer, []
-            if batch:
-                try:
-                    self._files.append(records_to_table(batch, self.replica_id))
-                except OSError:
-                    self.write_errors += 1
-                    self._requeue_or_drop(batch)
-                    _log.exception("writing %d experiment records failed", len(batch))
-                    return 0
-                self.written += len(batch)
+            appended = self._append(batch) if batch else 0
             self._roll(self._files.roll_due)
-            return len(batch)
+            return appended
+
+    def _append(self, batch: list[tuple[ExperimentRecord, int]]) -> int:
+        """Append `batch` to the open files; returns how many of its records they took.
+
+        Only the records no file took go back in the buffer: one in a spool is already on its
+        way to a Parquet file (now or at the next recovery), and twice would be a duplicate.
+        """
+        unappended: list[int] = []
+        try:
+            self._files.append(records_to_table(batch, self.replica_id))
+        except Unappended as exc:
+            unappended = exc.rows
+            self.write_errors += 1
+            self._requeue_or_drop([batch[i] for i in unappended])
+            _log.exception("writing %d experiment records failed", len(unappended))
+        except OSError:  # a full file failed to roll: its spool keeps it for the next recovery
+            self.write_errors += 1
+            _log.exception("publishing an experiment log file failed")
+        appended = len(batch) - len(unappended)
+        self.written += appended
+        return appended
 
     def roll(self) -> None:
         """Publish every open file now, with what is buffered (from any thread; never waits:
         the flusher does it at once). The server does it on SIGUSR1."""
-        self._roll_requested = True
+        with self._lock:
+            self._roll_requested = True
         self._wake.set()
 
     def recover(self) -> int:
@@ -373,10 +420,11 @@ class ExperimentLog:
             if self._closed:
                 return  # close() does the last flush itself, after join
             self._wake.clear()
+            with self._lock:  # taken before the flush: it appends what came before the request
+                rolling, self._roll_requested = self._roll_requested, False
             try:
                 self.flush()
-                if self._roll_requested:
-                    self._roll_requested = False
+                if rolling:
                     with self._write_lock:
                         self._roll(self._files.roll_all)
             except Exception:  # the flusher must survive anything a filesystem raises

@@ -8,6 +8,7 @@ import re
 import socket
 import uuid
 from datetime import datetime
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -59,23 +60,49 @@ def write_table_atomically(
 ) -> None:
     """Write a complete Parquet file that readers see whole or not at all.
 
-    Locally the file is written under a hidden temporary name (ignored by dataset discovery)
-    and renamed. An object store publishes an object only when its upload completes, so
-    there the final name is written directly.
+    Locally the file is written under a hidden temporary name (ignored by dataset discovery),
+    synced to disk, renamed, and its folder synced: once this returns, the file survives a
+    power loss, so its source (a spool) may go. An object store publishes an object only when
+    its upload completes, so there the final name is written directly.
     """
     parent = path.rsplit("/", 1)[0]
-    fs.create_dir(parent, recursive=True)
     if not isinstance(fs, pafs.LocalFileSystem):
+        fs.create_dir(parent, recursive=True)
         pq.write_table(table, path, filesystem=fs, row_group_size=row_group_size)
         return
+    _make_folders_durably(parent)
     name = path.rsplit("/", 1)[1]
     temporary = f"{parent}/.{name}.{uuid.uuid4().hex}.tmp"
     try:
         pq.write_table(table, temporary, filesystem=fs, row_group_size=row_group_size)
+        # Without it a rename can reach the disk before the data: after a power loss the
+        # name would point at a file cut short, and the spool it came from would be gone.
+        _fsync(temporary)
         fs.move(temporary, path)
     except BaseException:
         _remove_quietly(fs, temporary)
         raise
+    _fsync(parent)  # the rename itself
+
+
+def _make_folders_durably(folder: str) -> None:
+    """`mkdir -p`, syncing the parent of each folder it makes (a new partition's name)."""
+    missing = []
+    current = Path(folder)
+    while not current.is_dir():
+        missing.append(current)
+        current = current.parent
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for made in reversed(missing):
+        _fsync(str(made.parent))
+
+
+def _fsync(path: str) -> None:
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def _remove_quietly(fs: pafs.FileSystem, path: str) -> None:

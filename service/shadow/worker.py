@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from service.shadow.channel import FrameDecoder, decode_job, frame
+from service.shadow.job import ShadowJob
 from service.shadow.log import ExperimentLog
 from service.shadow.priority import lower_priority
 from service.shadow.scorer import ChallengerScorer
@@ -87,6 +88,28 @@ class _ThreadCpu:
         return run, wait
 
 
+def _take(
+    messages: list[tuple[Any, ...]], scorer: ChallengerScorer
+) -> tuple[list[ShadowJob], Counter[str], bool]:
+    """A pass's jobs, its unreadable jobs by model, and whether a roll was asked for; the
+    versions it announces are added to `scorer`."""
+    jobs: list[ShadowJob] = []
+    unreadable = Counter[str]()
+    rolling = False
+    for message in messages:
+        if message[0] == "version":
+            scorer.add_version(message[1], message[2], Path(message[3]))
+        elif message[0] == "roll":
+            rolling = True
+        elif message[0] == "job":
+            try:
+                jobs.append(decode_job(message))
+            except Exception:  # one bad job must not end the worker
+                _log.exception("unreadable shadow job for %s", message[1])
+                unreadable[message[1]] += 1
+    return jobs, unreadable, rolling
+
+
 def serve(sock: socket.socket) -> None:
     reader = _Reader(sock)
     first = reader.read(1)
@@ -103,19 +126,12 @@ def serve(sock: socket.socket) -> None:
     try:
         while messages := reader.read(MAX_JOBS_PER_PASS):
             started = time.monotonic()
-            jobs, unreadable = [], Counter[str]()
-            for message in messages:
-                if message[0] == "version":
-                    scorer.add_version(message[1], message[2], Path(message[3]))
-                elif message[0] == "roll":
-                    log.roll()
-                elif message[0] == "job":
-                    try:
-                        jobs.append(decode_job(message))
-                    except Exception:  # one bad job must not end the worker
-                        _log.exception("unreadable shadow job for %s", message[1])
-                        unreadable[message[1]] += 1
+            jobs, unreadable, rolling = _take(messages, scorer)
             outcome = scorer.score(jobs)
+            if rolling:
+                # Only now that the pass's jobs are scored and their records logged: the rolled
+                # files hold every job sent before the roll (and the rest of this pass's).
+                log.roll()
             outcome.failed.update(unreadable)
             if not outcome.completed and not outcome.failed:
                 continue

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
+import pytest
 from shadow_traffic import THRESHOLDS, make_traffic, record
 from waiting import wait_until
 
@@ -172,3 +173,61 @@ def test_sigterm_close_keeps_exactly_one_record_per_accepted_request(tmp_path: P
     stored = sorted(int(r) for r in request_ids(tmp_path))
     assert stored == accepted and len(stored) > 0
     assert not [p for p in tmp_path.rglob("*") if p.name.startswith(".") or p.suffix == ".arrows"]
+
+
+def test_a_failed_roll_leaves_its_records_in_the_spool_once(tmp_path: Path) -> None:
+    traffic = make_traffic(3)
+    blocker = tmp_path / "date=2026-03-01"
+    blocker.write_text("not a folder")  # publishing (making the partition's folder) fails
+    log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60, max_file_bytes=1)
+    for i in range(3):
+        log.log(record(traffic, i, "champion", time_ns=DAY_NS + i))
+    assert log.flush() == 3  # in the spool, where the next recovery finds them
+    assert (log.write_errors, log.buffered, log.dropped) == (1, 0, 0)
+    blocker.unlink()
+    assert log.flush() == 0
+    log.close()
+    assert log.written == 3
+    assert ExperimentLog(str(tmp_path), replica_id="next").recover() == 3
+    assert sorted(request_ids(tmp_path)) == sorted(traffic.request_ids)
+
+
+def test_a_failed_append_puts_back_only_the_records_no_file_took(tmp_path: Path) -> None:
+    traffic = make_traffic(4)
+    blocker = tmp_path / "_spool" / "date=2026-03-02"
+    blocker.parent.mkdir()
+    blocker.write_text("not a folder")  # the next day's open file cannot be made
+    log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60)
+    for i in range(4):
+        log.log(record(traffic, i, "champion", time_ns=DAY_NS + i % 2 * 86_400 * 10**9))
+    assert log.flush() == 2 and (log.write_errors, log.buffered) == (1, 2)
+    blocker.unlink()
+    assert log.flush() == 2
+    log.close()
+    assert log.written == 4 and log.files_written == 2
+    assert sorted(request_ids(tmp_path)) == sorted(traffic.request_ids)
+
+
+def test_a_file_is_on_disk_before_its_spool_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    traffic = make_traffic(3)
+    log = ExperimentLog(str(tmp_path), replica_id="r", flush_interval_s=60)
+    for i in range(3):
+        log.log(record(traffic, i, "champion", time_ns=DAY_NS))
+    log.flush()
+    (spool,) = (tmp_path / "_spool").rglob("*.arrows")
+    final = tmp_path / spool.relative_to(tmp_path / "_spool").with_suffix("")
+    synced: list[tuple[Path, bool, bool]] = []  # (what, final name there, spool there)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:  # the real call, with what it synced and when
+        synced.append((Path(os.readlink(f"/proc/self/fd/{fd}")), final.exists(), spool.exists()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    log.close()
+    assert final.exists() and not spool.exists()
+    data = [s for s in synced if s[0].parent == final.parent and s[0].name.endswith(".tmp")]
+    assert data and data[0][1:] == (False, True)  # its bytes, before it had its name
+    assert (final.parent, True, True) in synced  # its name, before the spool went

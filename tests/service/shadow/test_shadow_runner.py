@@ -6,6 +6,8 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -15,15 +17,17 @@ import onnxruntime as ort
 import pyarrow.dataset as pads
 import pytest
 from modelkit import write_sequence_model
-from waiting import until
+from waiting import until, wait_until
 
 from engines.onnxrt import OnnxRuntimeEngine
 from service.batching.rows import MAX_PADDING
 from service.shadow import ExperimentLog, ShadowJob, ShadowRunner
 from service.shadow import runner as runner_module
+from service.shadow.channel import encode_job, frame
 from service.shadow.log import read_spool
 from service.shadow.runner import MIN_SAMPLED_SHARE, sampled
 from service.shadow.scorer import ChallengerScorer
+from service.shadow.worker import serve
 
 MODEL = "seq-mini"
 
@@ -346,3 +350,29 @@ def test_a_worker_short_of_cpu_halves_the_share_before_its_queue_grows(
     assert not runner.contended
     runner.observe_cpu(2 * ms, 5 * ms, now=start + 6.0)  # hardly ran: nothing to judge by
     assert not runner.contended
+
+
+def test_a_roll_publishes_the_records_of_the_jobs_sent_before_it(models: Path, tmp_path: Path):
+    ours, theirs = socket.socketpair()
+    worker = threading.Thread(target=serve, args=(theirs,), daemon=True)
+    worker.start()
+    shadow = job(0, rows=3)
+    hour_s = 3600.0  # no file rolls by age: only the roll publishes
+    ours.sendall(
+        frame(("config", str(tmp_path), "w-shadow", 0.05, 0.01, {"max_file_age_s": hour_s}))
+        + b"".join(frame(("version", MODEL, v, str(models / MODEL / v))) for v in ("1", "2"))
+        + encode_job(shadow)
+        + frame(("roll",))
+    )  # one pass: the job, then the roll
+
+    def published() -> list[str]:
+        files = [str(p) for p in tmp_path.rglob("*.parquet") if "_spool" not in p.parts]
+        if not files:
+            return []
+        return sorted(pads.dataset(files, format="parquet").to_table()["request_id"].to_pylist())
+
+    wait_until(lambda: published() == sorted(shadow.request_ids), timeout_s=20)
+    ours.close()  # end of input: the worker finishes and returns
+    worker.join(30)
+    theirs.close()
+    assert not worker.is_alive() and published() == sorted(shadow.request_ids)
