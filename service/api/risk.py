@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 
 import grpc
@@ -88,7 +89,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             self._router.record(
                 model,
                 (route,),
-                (request.request_id,),
+                (request.request_id or uuid.uuid4().hex,),  # an id the report can pair by
                 (request.entity_id,),
                 rows,
                 scored,
@@ -143,7 +144,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             self._router.record(
                 model,
                 assignment.routes,
-                [items[i].request_id for i in assignment.rows],
+                [items[i].request_id or uuid.uuid4().hex for i in assignment.rows],
                 [items[i].entity_id for i in assignment.rows],
                 RowBatch.concat(group, model.manifest.history),  # the shadow copy's rows
                 scored,

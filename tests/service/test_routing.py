@@ -461,3 +461,21 @@ def test_shadow_share_applies_per_row_of_a_batch(models, tmp_path):
     for i, request in enumerate(reqs):
         if request.request_id in copied:
             assert shadows[request.request_id]["score"] == pytest.approx(challenger[i], abs=1e-5)
+
+
+def test_requests_sent_without_an_id_are_logged_under_one_each_arm_shares(models, tmp_path):
+    """The report pairs the arms by request id: a request without one is logged under an id
+    of its own, the same for its champion and shadow records."""
+    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
+    write_experiment(config)
+    reqs = [score_request(i) for i in range(6)]
+    for r in reqs:
+        r.request_id = ""
+    with experiment_server(models, config, logs) as live, live.channel() as channel:
+        risk = pb_grpc.RiskScoringStub(channel)
+        risk.Score(reqs[0], timeout=10)
+        risk.ScoreBatch(pb.ScoreBatchRequest(requests=reqs[1:]), timeout=10)
+        wait_until(lambda: len(served_records(logs)) == len(reqs))
+        wait_until(lambda: len(shadow_records(logs)) == len(reqs))
+    served, shadowed = served_records(logs), shadow_records(logs)
+    assert "" not in served and set(served) == set(shadowed)
