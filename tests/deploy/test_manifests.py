@@ -212,6 +212,24 @@ def test_container_ports_match_the_configmap_and_are_unique_in_the_pod(
         assert len(values) == len(set(values)), f"a {field} repeats in the pod: {values}"
 
 
+def test_the_pods_export_their_kept_traces_to_the_configured_collector(
+    rendered: tuple[Resource, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The exporters the server builds from the pod's OTEL_* settings: OTLP to the endpoint
+    they name, not the local file it writes where no exporter is named."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    from service.telemetry.exporters import span_exporters_from_environment
+
+    for container in _riskserve_containers(rendered):
+        for name in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+            monkeypatch.setenv(name, _setting(rendered, container, name))
+        exporters = span_exporters_from_environment(Path("traces.jsonl"), 1 << 20, 1)
+        assert [type(e) for e in exporters] == [OTLPSpanExporter]
+        for exporter in exporters:
+            exporter.shutdown()
+
+
 def test_services_select_the_pods_and_reach_the_configured_ports(
     rendered: tuple[Resource, ...],
 ) -> None:
