@@ -39,6 +39,8 @@ class ServingPreference(Protocol):
 
     def versions(self, model: str) -> tuple[str, ...]: ...
 
+    def models(self) -> tuple[str, ...]: ...
+
 
 class ModelRegistry:
     """The models this process serves, keyed by name, each with a serving version."""
@@ -112,13 +114,21 @@ class ModelRegistry:
             raise Unavailable(f"model {name!r}: version {version!r} ({why}) is not loaded")
         return version
 
+    def expected(self) -> list[str]:
+        """The models that must serve: those loaded, and those the settings pin a version of
+        or an experiment names, loaded or not."""
+        named = set(self._pinned)
+        if self._experiments is not None:
+            named.update(self._experiments.models())
+        return sorted(named.union(self._versions))
+
     def not_ready(self) -> dict[str, str]:
-        """Each loaded model whose serving version is not loaded, with the reason."""
+        """Each expected model whose serving version is not loaded, with the reason."""
         reasons = {}
-        for name in self.names():
+        for name in self.expected():
             try:
                 self.serving_version(name)
-            except Unavailable as exc:
+            except (Unavailable, ModelNotFound) as exc:
                 reasons[name] = str(exc)
         return reasons
 
@@ -136,7 +146,8 @@ class ModelRegistry:
         """
         told, self._told = self._told or {}, {}
         unready = self.not_ready()
-        for name in self.names():
+        expected = self.expected()
+        for name in expected:
             state = self._told[name] = unready.get(name) or self.serving_version(name)
             if told.get(name) == state:
                 continue
@@ -150,7 +161,7 @@ class ModelRegistry:
                 preferred = self.preferred_version(name)
                 why = "the highest loaded" if preferred is None else preferred[1]
                 log.info("%s: version %s serves (%s)", name, state, why)
-        ready = {name: name not in unready for name in self.names()}
+        ready = {name: name not in unready for name in expected}
         for listener in self._readiness_listeners:
             await listener(ready)
 

@@ -182,6 +182,10 @@ class ExperimentRouter:
         experiment = self._state[0].models.get(model)
         return () if experiment is None else (experiment.champion, *experiment.challengers)
 
+    def models(self) -> tuple[str, ...]:
+        """Every model an experiment names."""
+        return tuple(self._state[0].models)
+
     def route(self, model: str, entity_id: str) -> Route:
         plan = self._state[1].get(model)
         if plan is None:

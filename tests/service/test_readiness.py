@@ -10,7 +10,7 @@ import threading
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from liveserver import experiment_server
+from liveserver import LiveServer, experiment_server
 from modelkit import sequence_request, write_sequence_model
 from waiting import wait_until
 
@@ -150,3 +150,33 @@ def test_a_draining_server_stays_not_serving(tmp_path):
         # A readiness check after the announcement (a scan, the experiments) changes nothing.
         live.call(live.server.registry.check_readiness())
         assert [health(channel, s) for s in ("", MODEL)] == [NOT_SERVING, NOT_SERVING]
+
+
+def test_a_pinned_model_none_of_whose_versions_loads_is_not_serving(tmp_path):
+    """A model the settings pin a version of counts for readiness though nothing of it loaded
+    (its only version is broken): the server and the model are NOT_SERVING until it loads."""
+    models = tmp_path / "models"
+    write_sequence_model(models, version="1", seed=1)
+    broken = write_sequence_model(models, name="other", version="1", seed=2)
+    onnx_file = broken / "model.onnx"
+    good = onnx_file.read_bytes()
+    onnx_file.write_bytes(b"not an ONNX model")
+    server = LiveServer(
+        models_dir=models,
+        default_model=MODEL,
+        pinned_versions={"other": "1"},
+        reload_interval_s=0,
+        onnx_variants=False,
+    )
+    with server as live, live.channel() as channel:
+        infer = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert health(channel) == NOT_SERVING
+        assert health(channel, "other") == NOT_SERVING
+        assert health(channel, MODEL) == SERVING
+        assert not infer.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
+        onnx_file.write_bytes(good)
+        watcher = live.server.watcher
+        assert watcher is not None
+        assert live.call(watcher.scan(settle=True)) == ["other/1"]
+        assert health(channel) == SERVING
+        assert infer.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
