@@ -76,10 +76,12 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         decode_started_ns = time.monotonic_ns()
         rows = decode_score_request(request, model.manifest)
         note_validated(decode_started_ns)
-        # Without explain_top_k this is the plain submit of the request's row.
-        scored, reasons = await explain.score_explained(
-            model.batcher.submit, model.manifest, request, rows, deadline, self._explain_when
-        )
+        # Without explain_top_k this is the plain submit of the request's row; with it, the
+        # rows that explain it follow, and a reload retiring the version waits for them.
+        with model.held():
+            scored, reasons = await explain.score_explained(
+                model.batcher.submit, model.manifest, request, rows, deadline, self._explain_when
+            )
         reply = _response(request.request_id, model, scored, 0, started)
         explain.encode_reasons(reply, reasons)
         note_scored(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
@@ -274,7 +275,9 @@ class ModelRegistry:
         # Requests that looked `model` up in this turn of the event loop (a split batch submits
         # from tasks that start on the next turn) are queued before its batcher stops admitting.
         await asyncio.sleep(0)
-        await model.batcher.close(drain_s)
+        started = time.monotonic()
+        await model.until_released(drain_s)
+        await model.batcher.close(max(0.0, drain_s - (time.monotonic() - started)))
         for engine in model.engines():
             engine.close()
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from engines.base import Engine
@@ -28,6 +31,25 @@ class ModelVersion:
     """Where the score is among the engines' outputs (the layout resolved at load)."""
     files: FolderSnapshot = ()
     """The folder's files as they were when this version started loading."""
+    holders: int = field(default=0, compare=False)
+    """Requests that submit to the batcher more than once (an explained request: its row,
+    then the rows that explain it), between their first submit and their last."""
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold this version for a request that submits more than once: a reload retiring it
+        lets it finish (`until_released`) before the batcher stops admitting."""
+        self.holders += 1
+        try:
+            yield
+        finally:
+            self.holders -= 1
+
+    async def until_released(self, timeout_s: float) -> None:
+        """Wait, up to `timeout_s`, until no request holds this version (event loop)."""
+        deadline = time.monotonic() + timeout_s
+        while self.holders and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
 
     @property
     def name(self) -> str:

@@ -338,3 +338,38 @@ def test_new_version_with_a_manifest_value_that_cannot_work_is_refused(tmp_path,
     assert "explanations.features['f3'].baseline: nan is not a finite number" in (
         error.getMessage()
     )
+
+
+def _explained_model(root: Path, seed: int) -> Path:
+    """credit-lite/1 whose every score declines, with reason codes for its features."""
+    folder = write_tabular_model(root, version="1", seed=seed)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["thresholds"] = {"review": 0.0, "decline": 0.0}
+    manifest["explanations"] = {
+        "features": {f"f{i}": {"baseline": 0.0, "code": f"C{i}", "text": f"t{i}"} for i in range(5)}
+    }
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_a_reload_lets_explained_requests_in_flight_finish(tmp_path):
+    """An explained request submits its row, then the rows that explain it: a reload retiring
+    its version between the two lets it finish, so none fails."""
+    served_dir = _explained_model(tmp_path / "models", seed=0)
+    others = [_explained_model(tmp_path / f"v{seed}", seed=seed) for seed in (1, 2)]
+    explained = request(0)
+    explained.explain_top_k = 2
+    explained.explain_when = pb.EXPLAIN_ADVERSE
+    server = reload_server(tmp_path / "models", reload_interval_s=0, reload_drain_s=5)
+    with server, server.channel() as channel:
+        stub = pb_grpc.RiskScoringStub(channel)
+        watcher = server.server.watcher
+        assert watcher is not None
+        with scoring_traffic(stub, explained) as (replies, failures):
+            for source in [*others, *others]:
+                seen = len(replies)
+                wait_until(lambda seen=seen: len(replies) > seen + 20)
+                replace_files(source, served_dir)
+                assert server.call(watcher.scan(settle=True)) == ["credit-lite/1"]
+    assert failures == []
+    assert replies and all(r.reasons for r in replies)
