@@ -122,6 +122,10 @@ Resp = TypeVar("Resp")
 Handler = Callable[[Any, Req, grpc.aio.ServicerContext], Awaitable[Resp]]
 
 
+# The stream methods, whose every message is a scoring request of its own.
+STREAM_METHODS = frozenset({"ScoreStream", "ModelStreamInfer"})
+
+
 def _check_not_expired(telemetry: Telemetry | None, context: grpc.aio.ServicerContext) -> None:
     """Refuse a call whose caller's deadline passed while it waited to be read: its caller has
     gone, and scoring it would only take the engine from calls that can still make theirs."""
@@ -141,6 +145,9 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
     """
     method = handler.__name__
     bounded = method in SCORING_METHODS
+    # A scoring call is counted though it was refused before its model was read (malformed,
+    # no model named, its deadline gone), under the model label `unknown`.
+    counted = bounded or method in STREAM_METHODS
 
     @functools.wraps(handler)
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
@@ -197,7 +204,7 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
                 details = "" if code == 0 else name
                 if tracing.end_request(trace, code, details, after_reply) != DECISION_DROPPED:
                     kept_trace = trace.context
-            if telemetry is not None and call.model:
+            if telemetry is not None and (call.model or counted):
                 model, version = _labels(telemetry, call)
                 telemetry.metrics.observe_request(
                     model,

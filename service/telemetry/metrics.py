@@ -58,7 +58,10 @@ ATTRIBUTES: dict[str, str] = {
     QUEUE_WAIT_DURATION: "model, version",
     ENGINE_DURATION: "model, version, engine",
     BATCH_SIZE: "model, version, engine",
-    "riskserve.requests": "method, model, version, engine, status (gRPC code name)",
+    "riskserve.requests": (
+        "method, model, version, engine, status (gRPC code name); `model=\"unknown\"` for a "
+        "scoring call refused before its model was read (malformed, none named)"
+    ),
     "riskserve.fallbacks": f"model, reason ({', '.join(f'`{r}`' for r in FALLBACK_REASONS)})",
     "riskserve.shed": f"model, reason ({', '.join(f'`{r}`' for r in SHED_REASONS)}); {_SHED_NOTE}",
     "riskserve.shadow.drops": "model",

@@ -101,3 +101,32 @@ def test_a_thousand_unknown_models_and_versions_add_no_series(server):
     assert not labels & set(names)
     models = {lbl["model"] for name, lbl in after if name == "riskserve_requests_total"}
     assert models == {"seq-mini", "unknown"}
+
+
+def test_scoring_calls_refused_before_their_model_is_read_are_counted_as_unknown(server):
+    """Malformed bytes, and OIP's empty model name, fail before any model is named: each is
+    still a scoring request of the error rate, under model `unknown`."""
+    url = server.server.telemetry.metrics_url
+    with server.channel() as channel:
+        raw_score = channel.unary_unary("/riskscoring.v1.RiskScoring/Score")
+        raw_infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+        infer = oip_grpc.GRPCInferenceServiceStub(channel)
+        for refused in (
+            lambda: raw_score(b"\xff\xff\xff", timeout=5),
+            lambda: raw_infer(b"\xff\xff\xff", timeout=5),
+            lambda: infer.ModelInfer(oip.ModelInferRequest(), timeout=5),
+        ):
+            with pytest.raises(grpc.RpcError) as failed:
+                refused()
+            assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def counted(method: str) -> float:
+        return scraped_total(
+            url,
+            "riskserve_requests_total",
+            method=method,
+            model="unknown",
+            status="INVALID_ARGUMENT",
+        )
+
+    asyncio.run(until(lambda: counted("Score") == 1 and counted("ModelInfer") == 2, timeout_s=10))
