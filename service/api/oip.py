@@ -332,16 +332,26 @@ def _rows_named(request: oip.ModelInferRequest, model: ModelVersion) -> int:
 
 
 def _refused(telemetry: Telemetry | None, arrival: Arrival, exc: ServiceError) -> None:
-    """Answer a message that could not be scored, and count it."""
+    """Answer a message that could not be scored, and trace and count it."""
     code = status_for(exc)
     arrival.fail(code, str(exc))
     if telemetry is not None:
         request: oip.ModelInferRequest = arrival.request
         name, version = telemetry.metrics.loaded_labels(request.model_name, request.model_version)
+        tracing = telemetry.tracing
+        trace = _message_trace(tracing, arrival) if tracing is not None else None
+        kept = _ended(tracing, trace, code)
         duration_s = (time.monotonic_ns() - arrival.received_ns) / 1e9
         telemetry.metrics.observe_request(
-            name, version, "", code.name, duration_s, None, _STREAM_METHOD
+            name, version, "", code.name, duration_s, kept, _STREAM_METHOD
         )
+
+
+def _message_trace(tracing: Tracing, arrival: Arrival) -> RequestTrace:
+    """A stream message's trace, from when its stream read it."""
+    return tracing.start_request(
+        _STREAM_SPAN, dict(_STREAM_ATTRIBUTES), arrival.metadata, arrival.received_ns
+    )
 
 
 class _StreamJob:
@@ -368,9 +378,7 @@ class _StreamJob:
         self.deadline = min(self.deadline, arrival.deadline)
         trace = None
         if self.tracing is not None:
-            trace = self.tracing.start_request(
-                _STREAM_SPAN, dict(_STREAM_ATTRIBUTES), arrival.metadata
-            )
+            trace = _message_trace(self.tracing, arrival)
         self.traces.append(trace)
 
     def start(self) -> None:

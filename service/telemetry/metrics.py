@@ -59,7 +59,7 @@ ATTRIBUTES: dict[str, str] = {
     ENGINE_DURATION: "model, version, engine",
     BATCH_SIZE: "model, version, engine",
     "riskserve.requests": (
-        "method, model, version, engine, status (gRPC code name); `model=\"unknown\"` for a "
+        'method, model, version, engine, status (gRPC code name); `model="unknown"` for a '
         "scoring call refused before its model was read (malformed, none named)"
     ),
     "riskserve.fallbacks": f"model, reason ({', '.join(f'`{r}`' for r in FALLBACK_REASONS)})",

@@ -243,23 +243,22 @@ class Tracing:
         name: str,
         attributes: Attributes,
         metadata: Iterable[tuple[str, str | bytes]] | None = None,
+        arrived_ns: int | None = None,
     ) -> RequestTrace:
+        """A request's trace, started now, or at `arrived_ns` (monotonic) where the request
+        was read before (a stream message scored with others of its turn): its duration, as
+        the slow rule sees it, is then the one its request metric records."""
         parent = _parent_from(metadata)
         if parent is None:
             trace_id, span_id = _new_trace_and_span_ids()
         else:
             trace_id, span_id = parent.trace_id, _new_id(64)
         start_ns = time.time_ns()
+        offset_ns = start_ns - time.monotonic_ns()
+        if arrived_ns is not None:
+            start_ns = arrived_ns + offset_ns
         self._open += 1
-        return RequestTrace(
-            trace_id,
-            span_id,
-            parent,
-            name,
-            attributes,
-            start_ns,
-            start_ns - time.monotonic_ns(),
-        )
+        return RequestTrace(trace_id, span_id, parent, name, attributes, start_ns, offset_ns)
 
     def activate(self, trace: RequestTrace) -> contextvars.Token[RequestTrace | None]:
         return _CURRENT.set(trace)

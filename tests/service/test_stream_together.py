@@ -4,6 +4,7 @@ and each is still answered, checked and counted as its own."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import urllib.request
@@ -13,6 +14,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from liveserver import LiveServer
+from waiting import wait_until
 
 from demo.generator import generate, model_inputs
 from engines.manifest import load_manifest
@@ -249,3 +251,33 @@ def test_messages_scored_together_get_the_deadline_every_path_gets(
     assert [requests for requests, _ in planned] == [1, 1, 1, 1]
     usable = (1 - MARGIN) * np.array([5.0, 5.0, 2.0, 2.0])
     np.testing.assert_allclose([left for _, left in planned], usable, atol=0.05)
+
+
+def test_a_message_refused_before_scoring_keeps_its_error_trace(models_root, arrays, tmp_path):
+    """A streamed message for a model not loaded is traced as its unary call would be: the
+    error keeps its trace."""
+    trace_file = tmp_path / "traces.jsonl"
+    server = LiveServer(
+        models_dir=models_root,
+        onnx_variants=False,
+        trace_file=trace_file,
+        trace_sample_ratio=0.0,
+    )
+    elsewhere = infer(arrays, 0, "elsewhere")
+    elsewhere.model_name = "not-loaded"
+    with server, server.channel() as channel:
+        stream = oip_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter([elsewhere, infer(arrays, 1, "here")]), timeout=10
+        )
+        answers = [reply.error_message for reply in stream]
+        assert "not loaded" in answers[0] or "not loaded" in answers[1]
+
+        def error_spans() -> list[dict]:
+            if not trace_file.exists():
+                return []
+            spans = [json.loads(line) for line in trace_file.read_text().splitlines()]
+            return [s for s in spans if s["name"].endswith("/ModelStreamInfer")]
+
+        wait_until(lambda: len(error_spans()) == 1)
+    (span,) = error_spans()
+    assert span["attributes"]["riskserve.sampled_reason"] == "error"

@@ -218,3 +218,14 @@ def test_a_kept_trace_is_built_when_later_calls_back_not_before():
     (span,) = exporter.get_finished_spans()
     assert span.context.trace_id == slow.trace_id
     assert span.attributes[SAMPLED_REASON_ATTRIBUTE] == "slow"
+
+
+def test_a_trace_started_at_its_requests_arrival_is_slow_by_the_time_since():
+    """A stream message read a while before it is traced (scored with the others of its turn):
+    the trace starts when it arrived, so the slow rule sees what its request metric sees."""
+    tracing, exporter = _tracing()
+    arrived_ns = time.monotonic_ns() - TOOK_SLOW_NS
+    trace = tracing.start_request("svc/Method", {"rpc.method": "Method"}, (), arrived_ns)
+    assert tracing.end_request(trace, OK) == "slow"
+    (root,) = exporter.get_finished_spans()
+    assert root.end_time - root.start_time >= TOOK_SLOW_NS
