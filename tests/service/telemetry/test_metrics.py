@@ -6,6 +6,7 @@ import asyncio
 import urllib.request
 
 from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 from telemetry_echo import call, echo_server
 
@@ -90,14 +91,13 @@ def test_prometheus_endpoint_shows_histograms_with_the_right_counts(monkeypatch)
     assert _value(samples, "riskserve_queue_depth", model="fraud-demo", version="1") == 7
 
 
-def test_requests_through_the_boundary_are_counted_and_exemplars_name_kept_traces(
-    monkeypatch,
-):
-    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+def test_requests_through_the_boundary_are_counted_and_exemplars_name_kept_traces():
     reader = InMemoryMetricReader()
+    exported = InMemorySpanExporter()
     telemetry = setup_telemetry(
         # Slow from a minute: only the call made to take two minutes (at once) is slow.
         _config(trace_sample_ratio=0.0, trace_slow_ms=60_000.0),
+        span_exporters=[exported],
         metric_readers=[reader],
     )
 
@@ -131,9 +131,11 @@ def test_requests_through_the_boundary_are_counted_and_exemplars_name_kept_trace
     ]
     assert all(isinstance(p, HistogramDataPoint) for p in points)
     exemplars = [e for p in points for e in p.exemplars]
-    # Only the two kept traces (slow, aborted) are offered as exemplars, never a dropped one.
+    # Only the two kept traces (slow, aborted) are offered as exemplars, never a dropped one,
+    # and each names a trace that was exported.
     assert len(exemplars) == 2
-    assert all(e.trace_id and e.span_id for e in exemplars)
+    spans = {(s.context.trace_id, s.context.span_id) for s in exported.get_finished_spans()}
+    assert {(e.trace_id, e.span_id) for e in exemplars} <= spans
 
     snapshot = stats_from_scrapes(before, after, window_s=1.0)
     end_to_end = snapshot.stages[0]
@@ -150,3 +152,31 @@ def test_metrics_can_be_disabled():
         telemetry.metrics.observe_request("m", "1", "e", "OK", 0.001)
     finally:
         telemetry.shutdown()
+
+
+def test_without_a_trace_exporter_no_trace_is_kept_nor_named_by_an_exemplar(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "none")
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry(_config(trace_sample_ratio=1.0), metric_readers=[reader])
+
+    async def scenario():
+        async with echo_server(telemetry) as stub:
+            for request in (b"sleep:0", b"abort"):
+                await call(stub, request)
+
+    try:
+        assert telemetry.tracing is None
+        asyncio.run(scenario())
+        data = reader.get_metrics_data()
+    finally:
+        telemetry.shutdown()
+    exemplars = [
+        exemplar
+        for resource in data.resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+        if metric.name == "riskserve.request.duration"
+        for point in metric.data.data_points
+        for exemplar in point.exemplars
+    ]
+    assert exemplars == []
