@@ -91,7 +91,6 @@ def setup_telemetry(
     metrics = Metrics(meter_provider.get_meter(INSTRUMENTATION_NAME), live)
 
     tracing = None
-    exporters: list[SpanExporter] = []
     if config.tracing:
         exporters = (
             list(span_exporters)
@@ -100,7 +99,6 @@ def setup_telemetry(
                 config.trace_file, config.trace_file_max_bytes, config.trace_file_backup_count
             )
         )
-    if exporters:  # with nowhere to export, no trace is kept for an exemplar to name
         tracing = Tracing(
             TailSamplingPolicy(
                 slow_threshold_ns=round(config.trace_slow_threshold_ms * 1e6),
@@ -110,6 +108,7 @@ def setup_telemetry(
             _export_processor(exporters),
             resource,
             InstrumentationScope(INSTRUMENTATION_NAME),
+            keeps=bool(exporters),  # with nowhere to export, nothing for an exemplar to name
         )
         metrics.set_trace_decisions_callback(tracing.decisions)
 

@@ -225,7 +225,11 @@ class Tracing:
         export: SpanProcessor,
         resource: Resource,
         scope: InstrumentationScope,
+        keeps: bool = True,
     ) -> None:
+        """`keeps`: False where the spans go nowhere (no exporter): every trace is then
+        dropped, so that no exemplar names a trace that was never exported."""
+        self._keeps = keeps
         self._policy = policy
         self._slow_ns = policy.slow_threshold_ns
         self._ratio_bound = policy.ratio_bound
@@ -287,7 +291,7 @@ class Tracing:
         """
         end_ns = time.time_ns()
         self._open -= 1
-        reason = self._reason(trace, status_code, end_ns)
+        reason = self._reason(trace, status_code, end_ns) if self._keeps else DECISION_DROPPED
         if reason == DECISION_DROPPED:
             self._dropped += 1
             return reason
