@@ -435,7 +435,8 @@ class _StreamJob:
 
     def _split_off(self, picked: list[int]) -> tuple[list[Arrival], list[RequestTrace | None]]:
         """The messages at `picked`, taken out of the job's (to be counted on their own)."""
-        keep = [k for k in range(len(self.arrivals)) if k not in set(picked)]
+        taken_set = set(picked)
+        keep = [k for k in range(len(self.arrivals)) if k not in taken_set]
         taken = [self.arrivals[k] for k in picked], [self.traces[k] for k in picked]
         self.arrivals = [self.arrivals[k] for k in keep]
         self.traces = [self.traces[k] for k in keep]

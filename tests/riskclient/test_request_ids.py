@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from liveserver import riskscoring_server
 from waiting import until
 
 from riskclient import AsyncRiskClient, AsyncScoreStream, ScoringError
@@ -67,11 +68,8 @@ def _order(x: float, request_id: str = "order-7") -> pb.ScoreRequest:
 
 async def _server() -> tuple[grpc.aio.Server, _HoldsTheFirst, str]:
     servicer = _HoldsTheFirst()
-    server = grpc.aio.server()
-    pb_grpc.add_RiskScoringServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, servicer, f"127.0.0.1:{port}"
+    server, target = await riskscoring_server(servicer)
+    return server, servicer, target
 
 
 def test_a_stream_takes_an_id_given_up_again_only_once_its_late_answer_came():

@@ -8,6 +8,7 @@ import threading
 from collections.abc import AsyncIterator
 
 import grpc
+from liveserver import riskscoring_server
 from waiting import until, wait_until
 
 from riskclient import AsyncRiskClient, AsyncScoreStream, RiskClient, StreamClosed
@@ -33,11 +34,8 @@ class _Silent(pb_grpc.RiskScoringServicer):
 
 async def _silent_server() -> tuple[grpc.aio.Server, _Silent, str]:
     servicer = _Silent()
-    server = grpc.aio.server()
-    pb_grpc.add_RiskScoringServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, servicer, f"127.0.0.1:{port}"
+    server, target = await riskscoring_server(servicer)
+    return server, servicer, target
 
 
 def test_close_fails_what_a_silent_server_never_answered_after_its_grace():

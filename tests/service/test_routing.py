@@ -365,7 +365,9 @@ def test_a_challenger_replaced_in_place_is_shadow_scored_with_its_new_files(mode
     assert shadows["r0"]["score"] != pytest.approx(new_scores[0], abs=1e-3)
 
 
-def test_versions_with_different_manifests_each_decode_their_own_rows(tmp_path):
+def _ab_of_two_lengths(tmp_path: Path) -> tuple[Path, Path, Path, ExperimentRouter]:
+    """Versions 1 (16 history rows at most) and 2 (8) of MODEL in an even A/B experiment:
+    the models folder, the experiments file, the log prefix, and the experiment's router."""
     models = tmp_path / "models"
     write_sequence_model(models, version="1", seed=1, max_length=16)
     write_sequence_model(models, version="2", seed=2, max_length=8)
@@ -373,6 +375,11 @@ def test_versions_with_different_manifests_each_decode_their_own_rows(tmp_path):
     router = ExperimentRouter(
         ExperimentConfig.model_validate(write_experiment(config, mode="ab", ab_share=0.5))
     )
+    return models, config, logs, router
+
+
+def test_versions_with_different_manifests_each_decode_their_own_rows(tmp_path):
+    models, config, logs, router = _ab_of_two_lengths(tmp_path)
     reqs = [score_request(i) for i in range(12)]
     arms = [router.route(MODEL, r.entity_id).serving_version for r in reqs]
     assert set(arms) == {"1", "2"}
@@ -402,13 +409,7 @@ def test_a_batch_row_is_checked_only_by_the_version_that_answers_it(tmp_path):
     answered in a batch beside version 2's rows, and a row's field is named by its place. An
     empty batch, and a row naming another version than its batch, are refused as without an
     experiment."""
-    models = tmp_path / "models"
-    write_sequence_model(models, version="1", seed=1, max_length=16)
-    write_sequence_model(models, version="2", seed=2, max_length=8)
-    config, logs = tmp_path / "experiments.json", tmp_path / "logs"
-    router = ExperimentRouter(
-        ExperimentConfig.model_validate(write_experiment(config, mode="ab", ab_share=0.5))
-    )
+    models, config, logs, router = _ab_of_two_lengths(tmp_path)
     entities = [f"acct-{i}" for i in range(64)]
     to_one = next(e for e in entities if router.route(MODEL, e).serving_version == "1")
     to_two = next(e for e in entities if router.route(MODEL, e).serving_version == "2")

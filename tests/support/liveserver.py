@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.front import find_haproxy
 from service.models.loader import EngineFactory
@@ -167,3 +168,13 @@ def experiment_server(
         tensorrt=False,
         **settings,
     )
+
+
+async def riskscoring_server(servicer: pb_grpc.RiskScoringServicer) -> tuple[grpc.aio.Server, str]:
+    """`servicer` alone on a grpc.aio server on a loopback port, started (a stand-in server
+    that answers as a test needs, where riskserve would answer right); it and its target."""
+    server = grpc.aio.server()
+    pb_grpc.add_RiskScoringServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"

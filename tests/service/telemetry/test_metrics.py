@@ -5,7 +5,11 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
-from opentelemetry.sdk.metrics.export import HistogramDataPoint, InMemoryMetricReader
+from opentelemetry.sdk.metrics.export import (
+    HistogramDataPoint,
+    InMemoryMetricReader,
+    MetricsData,
+)
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 from telemetry_echo import call, echo_server
@@ -121,14 +125,7 @@ def test_requests_through_the_boundary_are_counted_and_exemplars_name_kept_trace
     assert _value(samples, "riskserve_traces_total", decision="error") == 1
     assert _value(samples, "riskserve_traces_total", decision="slow") == 1
 
-    points = [
-        point
-        for resource in data.resource_metrics
-        for scope in resource.scope_metrics
-        for metric in scope.metrics
-        if metric.name == "riskserve.request.duration"
-        for point in metric.data.data_points
-    ]
+    points = _duration_points(data)
     assert all(isinstance(p, HistogramDataPoint) for p in points)
     exemplars = [e for p in points for e in p.exemplars]
     # Only the two kept traces (slow, aborted) are offered as exemplars, never a dropped one,
@@ -169,13 +166,16 @@ def test_without_a_trace_exporter_no_trace_is_kept_nor_named_by_an_exemplar(monk
         data = reader.get_metrics_data()
     finally:
         telemetry.shutdown()
-    exemplars = [
-        exemplar
+    assert [e for p in _duration_points(data) for e in p.exemplars] == []
+
+
+def _duration_points(data: MetricsData) -> list:
+    """The request-duration histogram's points that an in-memory reader collected."""
+    return [
+        point
         for resource in data.resource_metrics
         for scope in resource.scope_metrics
         for metric in scope.metrics
         if metric.name == "riskserve.request.duration"
         for point in metric.data.data_points
-        for exemplar in point.exemplars
     ]
-    assert exemplars == []
