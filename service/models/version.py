@@ -32,13 +32,13 @@ class ModelVersion:
     files: FolderSnapshot = ()
     """The folder's files as they were when this version started loading."""
     holders: int = field(default=0, compare=False)
-    """Requests that submit to the batcher more than once (an explained request: its row,
-    then the rows that explain it), between their first submit and their last."""
+    """Score requests being scored by this version, from their first submit to their last (an
+    explained one submits its row, then the rows that explain it)."""
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """Hold this version for a request that submits more than once: a reload retiring it
-        lets it finish (`until_released`) before the batcher stops admitting."""
+        """Hold this version while a request may still submit to it: a reload retiring it
+        lets the request finish (`until_released`) before the batcher stops admitting."""
         self.holders += 1
         try:
             yield
