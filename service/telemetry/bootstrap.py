@@ -119,6 +119,10 @@ def setup_telemetry(
                 config.metrics_port, config.metrics_host, registry=registry
             )
         except OSError as exc:
+            # What was started above would outlive the failed start: its export threads.
+            if tracing is not None:
+                tracing.shutdown()
+            meter_provider.shutdown()
             raise OSError(
                 exc.errno,
                 f"cannot serve metrics on {config.metrics_host}:{config.metrics_port}: "

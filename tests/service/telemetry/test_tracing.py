@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 from pathlib import Path
 
 import grpc
@@ -250,3 +252,17 @@ def test_trace_file_rotates_and_stays_under_its_cap(tmp_path: Path, monkeypatch)
     # Whole lines only, oldest dropped: fewer spans than were written remain, each readable.
     assert records and all(r["name"] == "test.Echo/Call" for r in records)
     assert len(records) < 150
+
+
+def test_a_start_that_cannot_serve_metrics_leaves_no_export_thread_behind(tmp_path: Path):
+    """The metrics port taken: setup fails naming it, and the trace export it had started is
+    shut down, not left running for the life of the process."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        before = {t.ident for t in threading.enumerate()}
+        with pytest.raises(OSError, match=f"cannot serve metrics on 127.0.0.1:{port}"):
+            setup_telemetry(_config(metrics_port=port, trace_file=tmp_path / "traces.jsonl"))
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == []
