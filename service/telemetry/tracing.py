@@ -25,7 +25,9 @@ batcher's queue bounds), so no open-trace table can grow.
 from __future__ import annotations
 
 import contextvars
+import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +70,10 @@ REASON_PARENT = "parent"
 REASON_RATIO = "ratio"
 REASON_ALL = "all"
 DECISION_DROPPED = "dropped"
+# The most a stop waits for kept traces to reach their exporters (a collector may be down).
+EXPORT_SHUTDOWN_S = 5.0
+
+_log = logging.getLogger(__name__)
 
 _LOW_64_BITS = (1 << 64) - 1  # a trace id's low half (the ratio rule), a span id's width
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
@@ -405,5 +411,19 @@ class Tracing:
         """Traces decided so far by outcome: each keep reason, and 'dropped'."""
         return {**self._kept, DECISION_DROPPED: self._dropped}
 
-    def shutdown(self) -> None:
-        self._export.shutdown()
+    def shutdown(self, timeout_s: float = EXPORT_SHUTDOWN_S) -> bool:
+        """Export what is buffered and stop, waiting `timeout_s` at most; whether it finished.
+
+        The SDK's batch processor waits up to 30 s for an exporter that gets no answer (a
+        collector down), longer than a pod's grace leaves. Its threads are daemons: one still
+        exporting when this returns does not hold the process's exit.
+        """
+        done = threading.Thread(target=self._export.shutdown, name="trace-export-stop", daemon=True)
+        done.start()
+        done.join(timeout_s)
+        if done.is_alive():
+            _log.warning(
+                "trace export did not finish within %.1f s; its spans are dropped", timeout_s
+            )
+            return False
+        return True

@@ -266,3 +266,36 @@ def test_a_start_that_cannot_serve_metrics_leaves_no_export_thread_behind(tmp_pa
             setup_telemetry(_config(metrics_port=port, trace_file=tmp_path / "traces.jsonl"))
     left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert left == []
+
+
+class _Unanswered(SpanExporter):
+    """An exporter whose collector never answers: each export waits until `answer` is set."""
+
+    def __init__(self) -> None:
+        self.answer = threading.Event()
+        self.called = threading.Event()
+
+    def export(self, spans) -> SpanExportResult:
+        self.called.set()
+        self.answer.wait()
+        return SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.answer.set()
+
+
+def test_a_stop_waits_for_an_unanswered_collector_no_longer_than_its_bound():
+    """Kept traces get a bounded time to reach the exporter at a stop: the SDK's own wait (30 s)
+    is longer than a pod's grace."""
+    exporter = _Unanswered()
+    telemetry = setup_telemetry(_config(), span_exporters=[exporter])
+    tracing = telemetry.tracing
+    assert tracing is not None
+    failed = tracing.start_request("svc/Method", {})
+    assert tracing.end_request(failed, 13, "INTERNAL") == "error"
+    try:
+        assert tracing.shutdown(timeout_s=0.2) is False  # the export still waits, unanswered
+        assert exporter.called.wait(timeout=30)  # the stop asked for the export it left
+    finally:
+        exporter.answer.set()
+        telemetry.shutdown()
