@@ -19,6 +19,7 @@ from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batching.batcher import MicroBatcher, Scored
 from service.batching.rows import RowBatch
+from service.errors import Unavailable
 
 
 @pytest.fixture(scope="module")
@@ -381,3 +382,30 @@ def test_calls_beyond_the_admission_limit_are_refused_at_once(seq_models):
     assert all("limit 3" in e.details() for e in refused)
     assert all(o.score == pytest.approx(want(int(o.request_id)), abs=1e-6) for o in served)
     assert sum(made["seq-mini"].batches) == len(served)
+
+
+def test_a_close_that_fails_queued_jobs_leaves_the_queue_counted_empty():
+    """Jobs still queued when the drain ends fail UNAVAILABLE, and the queue-depth gauge they
+    feed (`queued_rows`) reads 0 after, not the rows they had."""
+    release = threading.Event()
+
+    def run(rows: RowBatch) -> Scored:
+        release.wait(10)
+        return Scored(np.zeros(rows.rows, np.float32), "fake", "", 0.0001)
+
+    async def scenario() -> tuple[int, list[BaseException | Scored]]:
+        batcher = MicroBatcher(run, max_batch_rows=1, max_queue_rows=64, workers=1, inline_max_s=0)
+        batcher.start()
+        rows = RowBatch(np.zeros((1, 4), np.float32), None, None)
+        submitted = [
+            asyncio.ensure_future(batcher.submit(rows, time.monotonic() + 60)) for _ in range(3)
+        ]
+        await until(lambda: batcher.queued_rows == 2, 5)  # one runs, two wait
+        await batcher.close(0.01)
+        release.set()
+        outcomes = await asyncio.gather(*submitted, return_exceptions=True)
+        return batcher.queued_rows, outcomes
+
+    queued, outcomes = asyncio.run(scenario())
+    assert queued == 0
+    assert sum(isinstance(o, Unavailable) for o in outcomes) >= 2
