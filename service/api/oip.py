@@ -408,17 +408,19 @@ class _StreamJob:
         scores = scored.scores
         start = 0
         unscored = []
+        checked = not scored.finite()  # some message's rows have no score: find whose
         for k, (arrival, rows, trace) in enumerate(
             zip(self.arrivals, self.rows, self.traces, strict=True)
         ):
             end = start + rows
-            try:
-                scored.require_finite(start, end)
-            except ScoringFailed as exc:  # this message's rows only
-                arrival.fail(status_for(exc), str(exc))
-                unscored.append(k)
-                start = end
-                continue
+            if checked:
+                try:
+                    scored.require_finite(start, end)
+                except ScoringFailed as exc:  # this message's rows only
+                    arrival.fail(status_for(exc), str(exc))
+                    unscored.append(k)
+                    start = end
+                    continue
             reply = encode_infer_response(arrival.request, model.version, served, scores[start:end])
             arrival.answer(oip.ModelStreamInferResponse(infer_response=reply))
             start = end

@@ -82,6 +82,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
             scored, reasons = await explain.score_explained(
                 model.batcher.submit, model.manifest, request, rows, deadline, self._explain_when
             )
+        scored.require_finite()
         reply = _response(request.request_id, model, scored, 0, started)
         explain.encode_reasons(reply, reasons)
         note_scored(
@@ -139,6 +140,7 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         for assignment, group, scored in zip(assignments, groups, outcomes, strict=True):
             model = assignment.model
             note_scored(self.telemetry, model.name, model.version, scored)
+            scored.require_finite()
             for k, i in enumerate(assignment.rows):
                 replies[i] = _response(items[i].request_id, model, scored, k, started)
             if not assignment.routed:
@@ -223,7 +225,6 @@ def _response(
     request_id: str, model: ModelVersion, scored: Scored, row: int, started: float
 ) -> pb.ScoreResponse:
     manifest = model.manifest
-    scored.require_finite(row, row + 1)
     score = float(scored.scores[row])
     engine, fallback_reason = scored.row_engine(row)
     decision: str

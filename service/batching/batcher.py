@@ -135,11 +135,16 @@ class Scored:
             batch_rows=sum(run.batch_rows for run in runs),
         )
 
+    def finite(self, start: int = 0, end: int | None = None) -> bool:
+        """Whether every row in `start:end` has a score to answer with: a finite one, or none
+        by design (a degraded answer carries the fallback decision)."""
+        return self.degraded or bool(np.isfinite(self.scores[start:end]).all())
+
     def require_finite(self, start: int = 0, end: int | None = None) -> None:
-        """Raise ScoringFailed where a row in `start:end` has no finite score: the last engine
-        tried (the fallback) gave none, and a decision made from it would be no decision. A
-        degraded answer's rows have none by design (it carries the fallback decision)."""
-        if not self.degraded and not np.isfinite(self.scores[start:end]).all():
+        """Raise ScoringFailed where a row in `start:end` has no finite score (`finite`): the
+        last engine tried (the fallback) gave none, and a decision made from it would be no
+        decision."""
+        if not self.finite(start, end):
             raise ScoringFailed("the model gave no finite score for this request's rows")
 
     def row_engine(self, row: int) -> tuple[str, str]:
