@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -157,9 +158,24 @@ async def build_server(
     host and port: a worker's socket behind the front, which holds the TLS.
     """
     telemetry = setup_telemetry(settings)
+    # What a start that fails part-way has set going is stopped again, last first: in a
+    # process that goes on (a test, an embedding program) its threads and ports would stay.
+    async with contextlib.AsyncExitStack() as undo:
+        undo.push_async_callback(asyncio.to_thread, telemetry.shutdown)
+        return await _build(settings, engine_factory, address, telemetry, undo)
+
+
+async def _build(
+    settings: Settings,
+    engine_factory: EngineFactory | None,
+    address: str | None,
+    telemetry: Telemetry,
+    undo: contextlib.AsyncExitStack,
+) -> RiskServer:
     workers = settings.engine_workers or default_engine_workers()
     # Model loading and warm-up run here; each batcher runs its engine calls on its own threads.
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="model-loader")
+    undo.callback(executor.shutdown, wait=True, cancel_futures=True)
     if engine_factory is None:
         engine_factory = default_engines(
             settings.engine_threads,
@@ -184,6 +200,7 @@ async def build_server(
     registry = ModelRegistry(
         executor, loader, telemetry=telemetry, pinned_versions=settings.pinned_versions
     )
+    undo.push_async_callback(registry.close, 0.0)
     await registry.load_dir(settings.models_dir)
     experiments = None
     if settings.experiments_file is not None:
@@ -200,6 +217,7 @@ async def build_server(
             shadow_cpus=settings.shadow_cpu_set,
             telemetry=telemetry,
         )
+        undo.push_async_callback(experiments.close, 0.0)
         experiments.start()
 
     options = [
@@ -256,6 +274,7 @@ async def build_server(
             f"{settings.host}:{settings.port}", certificates.credentials()
         )
     await server.start()
+    undo.push_async_callback(server.stop, None)
     watcher = ModelWatcher(
         registry,
         settings.models_dir,
@@ -263,7 +282,9 @@ async def build_server(
         drain_s=settings.reload_drain_s,
         telemetry=telemetry,
     )
+    undo.push_async_callback(watcher.close)
     watcher.start()
+    undo.pop_all()  # started: RiskServer.stop stops it all from here
     log.info("serving %s on %s", registry.names(), address or f"{settings.host}:{port}")
     return RiskServer(
         server,
