@@ -302,8 +302,9 @@ class SortedPass:
         np.add.at(self.pos_per_cluster, pos_codes, 1.0)
         np.add.at(self.neg_per_cluster, neg_codes, 1.0)
         if batch.decisions is not None:
+            labelled = positive | negative  # a flagged record with no label is no miss
             for level in (1, 2):
-                flagged = batch.decisions >= level
+                flagged = (batch.decisions >= level) & labelled
                 np.add.at(self.flagged[level], codes[flagged], 1.0)
                 np.add.at(self.hits[level], codes[flagged & positive], 1.0)
         if self.resamples:

@@ -99,6 +99,30 @@ def test_figures_match_scipy_and_sklearn(experiment: tuple[Path, Path, Traffic])
     assert c.psi > 0
 
 
+def test_precision_and_recall_count_only_labelled_records(
+    experiment: tuple[Path, Path, Traffic], tmp_path: Path
+) -> None:
+    """Labels come late and for part of the traffic: a flagged record with no label is neither
+    a hit nor a miss, so precision is over the flagged records that have a label."""
+    prefix, _, t = experiment
+    labelled = np.random.default_rng(3).random(N) < 0.6
+    labels = tmp_path / "labels.csv"
+    ids = [r for r, k in zip(t.request_ids, labelled, strict=True) if k]
+    pacsv.write_csv(pa.table({"request_id": ids, "label": t.labels[labelled]}), labels)
+    report = build_report(str(prefix), labels_path=str(labels), thresholds=THRESHOLDS)
+    y = t.labels[labelled]
+    for arm, scores in zip(report.arms, (t.champion, t.challenger), strict=True):
+        assert arm.labels is not None
+        kept = scores[labelled]
+        for level, threshold in (("review", THRESHOLDS.review), ("decline", THRESHOLDS.decline)):
+            flagged = kept >= threshold
+            precision = getattr(arm.labels, f"precision_at_{level}")
+            recall = getattr(arm.labels, f"recall_at_{level}")
+            assert precision.estimate == pytest.approx(precision_score(y, flagged))
+            assert recall.estimate == pytest.approx(recall_score(y, flagged))
+            assert precision.low <= precision.estimate <= precision.high
+
+
 def test_psi_binning_is_champion_deciles() -> None:
     from riskreport.stats import psi
 
