@@ -136,9 +136,16 @@ def test_locust_mix_from_two_processes(tmp_path: Path) -> None:
     command = [sys.executable, str(FAKE_SERVER), "--port", str(port)]
     workers = ("--processes", "2", "--master-bind-host", "127.0.0.1")
     workers += ("--master-bind-port", master, "--master-port", master)
+    # A budget every call is over: the workers' counts of calls over it reach the master.
+    workers += ("--budget-ms", "0.001")
     with _server(command, port, tmp_path / "server.log") as target:
         status, rows = _locust(target, tmp_path / "run", run_time_s=5, extra=workers)
     _assert_clean_mix(status, rows)
+    found = re.search(r"over the 0.001 ms budget \(([\d,]+) calls over it\)", _verdict(
+        tmp_path / "run.out"))  # fmt: skip
+    assert found, _verdict(tmp_path / "run.out")
+    # The final tally; the CSV, written once a second, may miss the last second's.
+    assert int(found[1].replace(",", "")) >= int(rows["Aggregated"]["Request Count"]) > 0
 
 
 def test_each_user_calls_on_a_connection_of_its_own(tmp_path: Path) -> None:
