@@ -117,7 +117,11 @@ class ScoreStream:
             )
             return channel, stream
 
-        self._channel, self._stream = self._run(start())
+        try:
+            self._channel, self._stream = self._run(start())
+        except BaseException:  # no stream to close: end the loop and its thread here
+            self._stop_loop()
+            raise
 
     def __enter__(self) -> ScoreStream:
         return self
@@ -157,9 +161,12 @@ class ScoreStream:
             self._run(self._stream.close(grace_s))
             self._run(self._channel.close())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()

@@ -8,10 +8,18 @@ import threading
 from collections.abc import AsyncIterator
 
 import grpc
+import pytest
 from liveserver import riskscoring_server
 from waiting import until, wait_until
 
-from riskclient import AsyncRiskClient, AsyncScoreStream, RiskClient, StreamClosed
+from riskclient import (
+    AsyncRiskClient,
+    AsyncScoreStream,
+    Connection,
+    RiskClient,
+    ScoreStream,
+    StreamClosed,
+)
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 
@@ -114,3 +122,13 @@ def test_a_stream_whose_client_closes_under_it_fails_what_it_holds_and_what_come
     held, after = asyncio.run(run())
     assert isinstance(held, StreamClosed) and "channel was closed" in str(held), held
     assert isinstance(after, StreamClosed)
+
+
+def test_a_blocking_stream_that_cannot_start_ends_its_loop_thread(tmp_path):
+    """A start that fails (a TLS file that cannot be read) leaves no event-loop thread behind,
+    one more with each attempt."""
+    connection = Connection("127.0.0.1:1", tls_ca_file=tmp_path / "missing-ca.pem")
+    for _ in range(3):
+        with pytest.raises(OSError):
+            ScoreStream(connection)
+    assert [t.name for t in threading.enumerate() if t.name == "riskclient-stream"] == []
