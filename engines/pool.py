@@ -226,7 +226,9 @@ class EnginePool:
         return self._on_fallback(inputs, _mismatch_reason(first_mismatch), n)
 
     def _on_fallback(self, inputs: Arrays, reason: str, n: int) -> PoolResult:
-        outputs = self.fallback.infer(inputs)
+        # In chunks its batch range takes: a model exported with a fixed batch of 1 serves a
+        # batch of several rows (an explained request's block, a stream's messages) row by row.
+        outputs = self._run_chunked(self.fallback, inputs)
         return PoolResult(outputs, self.fallback.name, reason, (self.fallback.name,) * n)
 
     def _run_chunked(self, engine: Engine, inputs: Arrays) -> dict[str, np.ndarray]:
@@ -335,7 +337,7 @@ class EnginePool:
             return PoolResult(fast, engine.name, "", (engine.name,) * n)
         longest = int(lengths[rest].max())
         reason = f"shape_mismatch: {self.history_input} length {longest} outside 1..{high}"
-        slow = self.fallback.infer(_take(inputs, rest))
+        slow = self._run_chunked(self.fallback, _take(inputs, rest))
         outputs = {}
         for name, value in fast.items():
             if name not in slow:  # an output only the engine returns (the fallback runs one)
