@@ -133,6 +133,15 @@ def _auth(settings: Settings, metrics: Metrics) -> AuthInterceptor | None:
     return AuthInterceptor(tokens, settings.auth_client_names, metrics=metrics)
 
 
+def _required_models(settings: Settings) -> tuple[str, ...]:
+    """The default model must serve where the settings name it or its folder is there: every
+    request that names no model goes to it. (The built-in default names the demo model, which
+    a models folder of other models need not hold.)"""
+    name = settings.default_model
+    named = "default_model" in settings.model_fields_set
+    return (name,) if named or (settings.models_dir / name).is_dir() else ()
+
+
 def _with_watchdog(factory: EngineFactory, timeout_s: float) -> EngineFactory:
     """Each model's primary engines under a time limit where a call can hang; the fallback, and
     ONNX Runtime on the CPU, run as they are (the watchdog's thread hop costs two context
@@ -198,7 +207,11 @@ async def _build(
         telemetry=telemetry,
     )
     registry = ModelRegistry(
-        executor, loader, telemetry=telemetry, pinned_versions=settings.pinned_versions
+        executor,
+        loader,
+        telemetry=telemetry,
+        pinned_versions=settings.pinned_versions,
+        required=_required_models(settings),
     )
     undo.push_async_callback(registry.close, 0.0)
     await registry.load_dir(settings.models_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Protocol
@@ -53,8 +53,10 @@ class ModelRegistry:
         *,
         telemetry: Telemetry | None = None,
         pinned_versions: Mapping[str, str] | None = None,
+        required: Iterable[str] = (),
     ) -> None:
-        """`loader` builds versions on `executor`'s threads."""
+        """`loader` builds versions on `executor`'s threads; `required` names models that must
+        serve though none of their versions loaded (the default model)."""
         self._executor = executor
         self._loader = loader
         if telemetry is not None:
@@ -62,6 +64,7 @@ class ModelRegistry:
         self._versions: dict[str, dict[str, ModelVersion]] = {}
         self._highest: dict[str, str] = {}
         self._pinned = dict(pinned_versions or {})
+        self._required = frozenset(required)
         self._experiments: ServingPreference | None = None
         self._reload_listeners: list[Callable[[str, str], None]] = []
         self._readiness_listeners: list[ReadinessListener] = []
@@ -116,9 +119,9 @@ class ModelRegistry:
         return version
 
     def expected(self) -> list[str]:
-        """The models that must serve: those loaded, and those the settings pin a version of
-        or an experiment names, loaded or not."""
-        named = set(self._pinned)
+        """The models that must serve: those loaded, and those the settings pin a version of,
+        require (the default model) or an experiment names, loaded or not."""
+        named = set(self._pinned) | self._required
         if self._experiments is not None:
             named.update(self._experiments.models())
         return sorted(named.union(self._versions))

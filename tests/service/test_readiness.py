@@ -180,3 +180,30 @@ def test_a_pinned_model_none_of_whose_versions_loads_is_not_serving(tmp_path):
         assert live.call(watcher.scan(settle=True)) == ["other/1"]
         assert health(channel) == SERVING
         assert infer.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
+
+
+def test_the_default_model_none_of_whose_versions_loads_is_not_serving(tmp_path):
+    """Every request that names no model goes to the default model: where its folder is there
+    and nothing of it loaded, the server is NOT_SERVING, though other models serve. A default
+    the settings leave at its built-in value, with no folder, is no model of this server."""
+    models = tmp_path / "models"
+    write_sequence_model(models, name="other", version="1", seed=2)
+    broken = write_sequence_model(models, version="1", seed=1)
+    (broken / "model.onnx").write_bytes(b"not an ONNX model")
+    with (
+        LiveServer(models_dir=models, reload_interval_s=0, onnx_variants=False) as live,
+        live.channel() as channel,
+    ):
+        assert health(channel) == SERVING  # the built-in default, fraud-demo, is not here
+    with (
+        LiveServer(
+            models_dir=models, default_model=MODEL, reload_interval_s=0, onnx_variants=False
+        ) as live,
+        live.channel() as channel,
+    ):
+        infer = oip_grpc.GRPCInferenceServiceStub(channel)
+        assert health(channel) == NOT_SERVING
+        assert health(channel, MODEL) == NOT_SERVING
+        assert health(channel, "other") == SERVING
+        assert not infer.ServerReady(oip.ServerReadyRequest(), timeout=10).ready
+        assert unversioned_code(channel) == grpc.StatusCode.NOT_FOUND
