@@ -2,7 +2,8 @@
 
 Each variant is compared with FP32 on the same rows: largest and mean absolute score error,
 AUC (labels given) and the share of decisions that change at the manifest's thresholds. The
-manifest's tolerance decides; a variant that fails is refused and never loaded.
+manifest's tolerance decides; a variant that fails is refused and never loaded, as is one that
+scores any row NaN or infinite, or whose measures are not finite, whatever the tolerance.
 
 The report records the sha256 of every file it scored, ``model.onnx`` included. A variant is
 accepted only while both its own file and ``model.onnx`` still have the recorded contents: a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,13 +47,17 @@ PRECISION_ORDER = ("fp32", "fp16", "int8")
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Area under the ROC curve by the rank-sum statistic, ties given their mean rank."""
+    """Area under the ROC curve by the rank-sum statistic, ties given their mean rank; NaN
+    where a score is NaN."""
     labels = np.asarray(labels).astype(bool).ravel()
     scores = np.asarray(scores, dtype=np.float64).ravel()
     n_pos = int(labels.sum())
     n_neg = labels.size - n_pos
     if n_pos == 0 or n_neg == 0:
         raise ValueError("AUC needs both positive and negative labels")
+    if np.isnan(scores).any():
+        # A NaN has no rank; sorting would place it above every score.
+        return math.nan
     order = np.argsort(scores, kind="mergesort")
     sorted_scores = scores[order]
     ranks = np.empty(scores.size, dtype=np.float64)
@@ -77,16 +83,26 @@ class VariantReport:
     auc: float
     auc_drop: float
     flip_rate: float
+    #: rows it scored NaN or infinite; 0 in a report written before they were counted
+    non_finite_scores: int = 0
 
     def failures(self, tolerance: Tolerance) -> tuple[str, ...]:
         """Which limits this variant exceeds (empty when it passes)."""
         out = []
-        if self.max_abs_error > tolerance.max_abs_error:
-            out.append(f"max_abs_error {self.max_abs_error:.4g} > {tolerance.max_abs_error:g}")
-        if self.auc_drop > tolerance.auc_drop:
-            out.append(f"auc_drop {self.auc_drop:.4g} > {tolerance.auc_drop:g}")
-        if self.flip_rate > tolerance.flip_rate:
-            out.append(f"flip_rate {self.flip_rate:.4g} > {tolerance.flip_rate:g}")
+        if self.non_finite_scores:
+            out.append(f"{self.non_finite_scores} scores are NaN or infinite")
+        for name, value, limit in (
+            ("max_abs_error", self.max_abs_error, tolerance.max_abs_error),
+            ("mean_abs_error", self.mean_abs_error, None),
+            ("auc", self.auc, None),
+            ("auc_drop", self.auc_drop, tolerance.auc_drop),
+            ("flip_rate", self.flip_rate, tolerance.flip_rate),
+        ):
+            # Checked first: every comparison with NaN is false, so NaN would pass any limit.
+            if not math.isfinite(value):
+                out.append(f"{name} is {value}, not a finite number")
+            elif limit is not None and value > limit:
+                out.append(f"{name} {value:.4g} > {limit:g}")
         return tuple(out)
 
     def passes(self, tolerance: Tolerance) -> bool:
@@ -207,7 +223,8 @@ def validate_model(
             scores = _scores(engine, inputs, score)
         finally:
             engine.close()
-        decisions = decide(scores)
+        with np.errstate(invalid="ignore"):  # a NaN score: counted and refused below
+            decisions = decide(scores)
         if reference is None or ref_decisions is None:
             reference, ref_decisions, ref_auc = scores, decisions, auc(labels, scores)
         error = np.abs(scores - reference)
@@ -220,8 +237,10 @@ def validate_model(
                 max_abs_error=float(error.max()),
                 mean_abs_error=float(error.mean()),
                 auc=this_auc,
-                auc_drop=max(0.0, ref_auc - this_auc),
+                # np.maximum keeps a NaN, where max(0.0, nan) would give 0.0.
+                auc_drop=float(np.maximum(0.0, ref_auc - this_auc)),
                 flip_rate=float(np.mean(decisions != ref_decisions)),
+                non_finite_scores=int(np.count_nonzero(~np.isfinite(scores))),
             )
         )
     return ValidationReport(

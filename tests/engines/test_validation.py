@@ -236,3 +236,69 @@ def test_a_zipmap_classifier_is_validated_on_its_risk_class(tmp_path: Path):
     (fp32,) = report.variants
     assert fp32.precision == "fp32"
     assert fp32.auc == pytest.approx(auc(labels, want), abs=1e-6)
+
+
+def _nan_where_first_feature_below(model_dir: Path, low: float) -> onnx.ModelProto:
+    """The FP32 model's score plus 0 * log(f0 - low): equal to FP32 where f0 > low, NaN below."""
+    model = onnx.load(str(model_dir / "model.onnx"))
+    graph = model.graph
+    for node in graph.node:
+        if node.op_type == "Sigmoid":
+            node.output[0] = "score0"
+    graph.initializer.extend(
+        [
+            onnx.numpy_helper.from_array(np.array([0], dtype=np.int64), "col0"),
+            onnx.numpy_helper.from_array(np.array(-low, dtype=np.float32), "shift"),
+            onnx.numpy_helper.from_array(np.array(0.0, dtype=np.float32), "zero"),
+        ]
+    )
+    graph.node.extend(
+        [
+            onnx.helper.make_node("Gather", ["features", "col0"], ["f0"], axis=1),
+            onnx.helper.make_node("Add", ["f0", "shift"], ["shifted"]),
+            onnx.helper.make_node("Log", ["shifted"], ["log"]),
+            onnx.helper.make_node("Mul", ["log", "zero"], ["nan_part"]),
+            onnx.helper.make_node("Add", ["score0", "nan_part"], ["score"]),
+        ]
+    )
+    onnx.checker.check_model(model)
+    return model
+
+
+def test_a_variant_scoring_nan_on_a_few_rows_is_refused(model_dir: Path, inputs_factory) -> None:
+    """NaN compares false with every limit; the variant is refused for its NaN scores."""
+    onnx.save(_nan_where_first_feature_below(model_dir, -5.0), model_dir / "model.nan.onnx")
+    set_manifest_variants(model_dir, {"fp16": "model.nan.onnx"})
+    inputs, labels = _held_out(model_dir, inputs_factory)
+    inputs["features"][[3, 70], 0] = -10.0
+    report = validate_model(model_dir, inputs, labels)
+    nan = report.variant("fp16")
+    assert nan.non_finite_scores == 2
+    assert np.isnan(nan.auc) and np.isnan(nan.auc_drop)
+    failures = nan.failures(report.tolerance)
+    assert "2 scores are NaN or infinite" in failures
+    assert "max_abs_error is nan, not a finite number" in failures
+    assert not report.passes("fp16")
+    write_report(model_dir, report)
+    assert set(accepted_variants(model_dir)) == {"fp32"}
+    assert "REFUSED: 2 scores are NaN or infinite" in report.to_table()
+
+
+def test_a_saved_report_with_a_nan_measure_vouches_for_nothing(
+    model_dir: Path, inputs_factory
+) -> None:
+    """A report written before non-finite scores were counted may hold a NaN error."""
+    report = _validated(model_dir, inputs_factory)
+    data = json.loads(report.to_json())
+    for variant in data["variants"]:
+        variant.pop("non_finite_scores")
+        if variant["precision"] == "int8":
+            variant["max_abs_error"] = float("nan")
+    (model_dir / "validation.json").write_text(json.dumps(data))
+    assert set(accepted_variants(model_dir)) == {"fp32", "fp16"}
+
+
+def test_auc_of_scores_holding_nan_is_nan() -> None:
+    labels = np.array([0, 1, 0, 1])
+    assert np.isnan(auc(labels, np.array([0.1, 0.9, np.nan, 0.8])))
+    assert auc(labels, np.array([0.1, 0.9, -np.inf, np.inf])) == 1.0
