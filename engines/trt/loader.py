@@ -146,25 +146,34 @@ def load_engines(
 
     `accepted` is `engines.validation.accepted_variants(...)`: a precision missing there is
     never loaded. A stale or foreign plan is rebuilt when `rebuild_stale`, else skipped with a
-    logged reason; the caller's pool then serves those shapes from ONNX Runtime.
+    logged reason; the caller's pool then serves those shapes from ONNX Runtime. An error while
+    loading one precision (`EngineUnavailable`, or `EngineFailure` from CUDA) closes the engines
+    already loaded before it propagates.
     """
     trt = import_tensorrt()
     cuda = cuda or CudaRuntime()
     model_dir = Path(model_dir)
     store = PlanStore(model_dir)
-    engines = []
-    for precision in precisions:
-        if precision not in accepted:
-            log.warning("not loading tensorrt-%s: refused or not validated", precision)
-            continue
-        key = current_key(trt, cuda, accepted[precision], precision)
-        try:
-            plan = store.load(key)
-        except PlanRefused as exc:
-            if not rebuild_stale:
-                log.warning("not loading tensorrt-%s: %s", precision, exc)
+    engines: list[TensorRTEngine] = []
+    try:
+        for precision in precisions:
+            if precision not in accepted:
+                log.warning("not loading tensorrt-%s: refused or not validated", precision)
                 continue
-            build_engines(model_dir, [precision], rebuild=True, cuda=cuda)
-            plan = store.load(key)
-        engines.append(TensorRTEngine(plan, precision=precision, cuda=cuda))
+            key = current_key(trt, cuda, accepted[precision], precision)
+            try:
+                plan = store.load(key)
+            except PlanRefused as exc:
+                if not rebuild_stale:
+                    log.warning("not loading tensorrt-%s: %s", precision, exc)
+                    continue
+                build_engines(model_dir, [precision], rebuild=True, cuda=cuda)
+                plan = store.load(key)
+            engines.append(TensorRTEngine(plan, precision=precision, cuda=cuda))
+    except Exception:
+        # The caller never sees the list, so nothing else would free these engines' device
+        # and pinned buffers and their streams.
+        for engine in engines:
+            engine.close()
+        raise
     return engines

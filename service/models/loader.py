@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from engines.base import Engine, EngineError, EngineUnavailable
+from engines.base import Engine, EngineError, EngineFailure, EngineUnavailable
 from engines.manifest import Manifest, load_manifest
 from engines.onnxrt import OnnxRuntimeEngine
 from engines.output import (
@@ -79,6 +79,10 @@ def default_engines(
                 engines += load_engines(path, accepted)
             except EngineUnavailable as exc:
                 log.info("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
+            except EngineFailure as exc:
+                # CUDA failing here (no device, out of memory) costs the version its TensorRT
+                # engines, not its load: ONNX Runtime serves it as on a host without TensorRT.
+                log.warning("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
         if onnx_variants:
             for precision in accepted:
                 if precision != "fp32":

@@ -102,3 +102,39 @@ def test_refused_variant_is_never_loaded(trt, model_dir: Path) -> None:
     accepted = {"fp32": model_dir / "model.onnx", "fp16": model_dir / "model.fp16.onnx"}
     engines = load_engines(model_dir, accepted, ["fp16", "int8"])
     assert [e.name for e in engines] == ["tensorrt-fp16"]
+
+
+def test_engines_loaded_before_a_failing_precision_are_closed(
+    trt, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of device memory for the INT8 engine: the FP16 engine already made is closed."""
+    from engines.base import EngineFailure
+    from engines.precision import make_variants
+    from engines.trt import TensorRTEngine
+
+    make_variants(model_dir)
+    fp16, _int8 = build_engines(model_dir, ["fp16", "int8"])
+    memory = trt.memory
+    allocations, streams = dict(memory.blocks), set(memory.streams)
+    probe = TensorRTEngine(fp16.read_bytes(), precision="fp16")
+    one_engine = memory.device_bytes()
+    probe.close()
+    memory.device_capacity_bytes = one_engine + one_engine // 2
+    accepted = {
+        "fp32": model_dir / "model.onnx",
+        "fp16": model_dir / "model.fp16.onnx",
+        "int8": model_dir / "model.int8.onnx",
+    }
+    made: list[str] = []
+    real_init = TensorRTEngine.__init__
+
+    def init(self: TensorRTEngine, plan: bytes, **options: object) -> None:
+        real_init(self, plan, **options)  # type: ignore[arg-type]
+        made.append(self.name)
+
+    monkeypatch.setattr(TensorRTEngine, "__init__", init)
+    with pytest.raises(EngineFailure, match="cudaMalloc"):
+        load_engines(model_dir, accepted, ["fp16", "int8"])
+    assert made == ["tensorrt-fp16"]
+    assert memory.blocks.keys() == allocations.keys()
+    assert memory.streams == streams

@@ -529,10 +529,18 @@ class CudaMemory:
         self.streams: set[int] = set()
         self.capability = capability
         self.copies = 0
+        #: device memory in all; past it cudaMalloc returns cudaErrorMemoryAllocation
+        self.device_capacity_bytes: int | None = None
+
+    def device_bytes(self) -> int:
+        return sum(size for _buf, size, device in self.blocks.values() if device)
 
     def _alloc(self, nbytes: int, device: bool) -> tuple[cudaError_t, int]:
         if nbytes <= 0:
             return cudaError_t.cudaErrorInvalidValue, 0
+        capacity = self.device_capacity_bytes
+        if device and capacity is not None and self.device_bytes() + nbytes > capacity:
+            return cudaError_t.cudaErrorMemoryAllocation, 0
         buf = ctypes.create_string_buffer(nbytes)
         ptr = ctypes.addressof(buf)
         self.blocks[ptr] = (buf, nbytes, device)
