@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
     "Explanations",
@@ -35,6 +35,21 @@ class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+def _no_repeats(names: tuple[str, ...]) -> tuple[str, ...]:
+    # A name stands for one column: a request's features are found by name, and a repeated
+    # name leaves the codec unable to fill the row, so every request would be refused.
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            raise ValueError(f"{name!r} is named more than once")
+        seen.add(name)
+    return names
+
+
+#: Names of the columns of a tensor, in order, each once.
+_Names = Annotated[tuple[str, ...], AfterValidator(_no_repeats)]
+
+
 class HistorySpec(_Frozen):
     """The variable-length sequence of an entity's recent events."""
 
@@ -44,7 +59,7 @@ class HistorySpec(_Frozen):
     mask_input: str = Field(
         "history_mask", description="ONNX input name of the (batch, length) 1/0 validity mask."
     )
-    fields: tuple[str, ...] = Field(description="Names of the per-row fields, in tensor order.")
+    fields: _Names = Field(description="Names of the per-row fields, in tensor order.")
     max_length: int = Field(gt=0, description="Hard limit on rows a request may carry.")
     min_padded_length: int = Field(
         1, ge=1, description="Batches are padded to at least this many rows (models need T >= 1)."
@@ -210,7 +225,7 @@ class Manifest(_Frozen):
     version: str
     description: str = ""
     features_input: str = Field("features", description="ONNX input name of the (batch, n) tensor.")
-    features: tuple[str, ...] = Field(min_length=1, description="Tabular feature names in order.")
+    features: _Names = Field(min_length=1, description="Tabular feature names in order.")
     history: HistorySpec | None = None
     output: str = Field(
         "score",

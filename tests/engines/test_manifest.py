@@ -98,3 +98,19 @@ def test_a_tolerance_that_would_pass_every_variant_is_refused(value):
         manifest(tolerance={"max_abs_error": value})
     (error,) = caught.value.errors()
     assert ".".join(str(part) for part in error["loc"]) == "tolerance.max_abs_error"
+
+
+def test_a_feature_named_twice_is_refused():
+    with pytest.raises(ValidationError) as caught:
+        manifest(features=["a", "b", "a", "b"])
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("features",)
+    assert "'a' is named more than once" in str(caught.value)
+
+
+def test_a_history_field_named_twice_is_refused():
+    with pytest.raises(ValidationError) as caught:
+        manifest(history={"fields": ["amount", "gap_s", "amount"], "max_length": 8})
+    (error,) = caught.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == "history.fields"
+    assert "'amount' is named more than once" in str(caught.value)
