@@ -96,11 +96,25 @@ class Thresholds(_Frozen):
         return "APPROVE"
 
 
+def _profile_range(rng: tuple[int, int, int]) -> tuple[int, int, int]:
+    # Checked as the manifest loads, where the error names the entry: the batch's max caps the
+    # rows a version batches on any host, and a range out of order would otherwise surface
+    # only when plans are built, or as a shape error naming no field.
+    low, opt, high = rng
+    if not 1 <= low <= opt <= high:
+        raise ValueError(f"[{low}, {opt}, {high}] is not 1 <= min <= opt <= max")
+    return rng
+
+
+#: A min/opt/max range of one dimension of a profile.
+_ProfileRange = Annotated[tuple[int, int, int], AfterValidator(_profile_range)]
+
+
 class ProfileSpec(_Frozen):
     """One TensorRT optimization profile: min/opt/max of batch size and history length."""
 
-    batch: tuple[int, int, int]
-    history_length: tuple[int, int, int] | None = None
+    batch: _ProfileRange
+    history_length: _ProfileRange | None = None
 
 
 class Tolerance(_Frozen):

@@ -114,3 +114,30 @@ def test_a_history_field_named_twice_is_refused():
     (error,) = caught.value.errors()
     assert ".".join(str(part) for part in error["loc"]) == "history.fields"
     assert "'amount' is named more than once" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("profile", "entry", "message"),
+    [
+        ({"batch": [1, 8, 0]}, "batch", "[1, 8, 0] is not 1 <= min <= opt <= max"),
+        ({"batch": [8, 4, -2]}, "batch", "[8, 4, -2] is not 1 <= min <= opt <= max"),
+        ({"batch": [0, 0, 0]}, "batch", "[0, 0, 0] is not 1 <= min <= opt <= max"),
+        ({"batch": [2, 1, 8]}, "batch", "[2, 1, 8] is not 1 <= min <= opt <= max"),
+        (
+            {"batch": [1, 8, 64], "history_length": [4, 16, 8]},
+            "history_length",
+            "[4, 16, 8] is not 1 <= min <= opt <= max",
+        ),
+    ],
+)
+def test_a_profile_range_out_of_order_is_refused(profile, entry, message):
+    with pytest.raises(ValidationError) as caught:
+        manifest(profiles={"fp16": [{"batch": [1, 4, 16]}, profile]})
+    (error,) = caught.value.errors()
+    assert ".".join(str(part) for part in error["loc"]) == f"profiles.fp16.1.{entry}"
+    assert message in str(caught.value)
+
+
+def test_a_profile_range_may_be_one_size():
+    (spec,) = manifest(profiles={"fp32": [{"batch": [1, 1, 1]}]}).profiles["fp32"]
+    assert spec.batch == (1, 1, 1) and spec.history_length is None
