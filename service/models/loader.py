@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -72,19 +72,10 @@ def default_engines(
             score=score,
         )
         engines: list[Engine] = []
-        # The graph is read again only where TensorRT plans would be loaded: TensorRT has no
-        # layers for classic-ML operators (the loader logs those once, from its own read).
-        if tensorrt and len(accepted) > 1 and not _ml_operators(path):
-            try:
-                engines += load_engines(path, accepted)
-            except EngineUnavailable as exc:
-                log.info("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
-            except EngineFailure as exc:
-                # CUDA failing here (no device, out of memory) costs the version its TensorRT
-                # engines, not its load: ONNX Runtime serves it as on a host without TensorRT.
-                log.warning("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
-        if onnx_variants:
-            for precision in accepted:
+        try:
+            if tensorrt:
+                engines += _tensorrt_engines(path, manifest, accepted)
+            for precision in accepted if onnx_variants else ():
                 if precision != "fp32":
                     engines.append(
                         OnnxRuntimeEngine.from_model_dir(
@@ -96,11 +87,41 @@ def default_engines(
                             score=score,
                         )
                     )
+        except BaseException:
+            # The caller gets no engines to close: those made before the error are closed here.
+            _close_engines((*engines, fallback))
+            raise
         if engines:
             engines.append(fallback)
         return engines, fallback
 
     return build
+
+
+def _tensorrt_engines(path: Path, manifest: Manifest, accepted: Mapping[str, Path]) -> list[Engine]:
+    """The version's TensorRT engines, or none (logged) where they cannot be loaded here."""
+    # The graph is read again only where TensorRT plans would be loaded: TensorRT has no
+    # layers for classic-ML operators (the loader logs those once, from its own read).
+    if len(accepted) < 2 or _ml_operators(path):
+        return []
+    try:
+        return list(load_engines(path, accepted))
+    except EngineUnavailable as exc:
+        log.info("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
+    except EngineFailure as exc:
+        # CUDA failing here (no device, out of memory) costs the version its TensorRT engines,
+        # not its load: ONNX Runtime serves it as on a host without TensorRT.
+        log.warning("%s/%s: no TensorRT engines: %s", manifest.name, manifest.version, exc)
+    return []
+
+
+def _close_engines(engines: Iterable[Engine]) -> None:
+    """Close each engine once; one that fails to close is logged and the rest still closed."""
+    for engine in {id(e): e for e in engines}.values():
+        try:
+            engine.close()
+        except Exception:
+            log.exception("closing engine %s failed", engine.name)
 
 
 def batch_cap(limit: int, manifest: Manifest, engines: Sequence[Engine]) -> int:
@@ -165,6 +186,23 @@ class VersionLoader:
                 ML_DOMAIN,
             )
         engines, fallback = self._engine_factory(path, manifest, score)
+        try:
+            return self._assemble(path, manifest, score, engines, fallback)
+        except BaseException:
+            # A refused version is dropped: its engines' device memory, streams and sessions
+            # would otherwise stay allocated for the life of the process.
+            _close_engines((*engines, fallback))
+            raise
+
+    def _assemble(
+        self,
+        path: Path,
+        manifest: Manifest,
+        score: ScoreOutput,
+        engines: list[Engine],
+        fallback: Engine,
+    ) -> ModelVersion:
+        """Check the engines' outputs, then wire pool and batcher, calibrate and warm."""
         for engine in {id(e): e for e in (*engines, fallback)}.values():
             _check_output(path, manifest, score, engine)
             if manifest.history is not None and manifest.history.broadcast:

@@ -6,10 +6,16 @@ import json
 import logging
 from pathlib import Path
 
+import onnx
 import pytest
-from modelkit import add_validated_variants, write_tabular_model
+from modelkit import add_validated_variants, write_sequence_model, write_tabular_model
 
-from engines.trt import build_engines
+from engines.base import Engine
+from engines.manifest import Manifest, load_manifest
+from engines.onnxrt import OnnxRuntimeEngine
+from engines.output import ScoreOutput, resolve_score_output
+from engines.trt import TensorRTEngine, build_engines
+from service.errors import Unavailable
 from service.models.loader import VersionLoader, default_engines
 
 
@@ -47,3 +53,56 @@ def test_a_cuda_failure_loading_plans_serves_the_version_without_tensorrt(
     assert model.pool.engines == ()
     assert model.pool.fallback.kind == "onnxruntime"
     assert "no TensorRT engines: CUDA cudaMalloc failed" in caplog.text
+
+
+def test_a_version_refused_after_its_engines_were_made_closes_them(
+    trt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The history.broadcast check refuses the version after the factory made a TensorRT
+    engine and the ONNX Runtime fallback: both are closed, no device memory or stream left."""
+    path = write_sequence_model(tmp_path, name="seq-cat", join="concat", broadcast=True)
+    data = json.loads((path / "manifest.json").read_text())
+    data["profiles"] = {"fp32": [{"batch": [1, 8, 64], "history_length": [1, 16, 64]}]}
+    (path / "manifest.json").write_text(json.dumps(data))
+    (plan,) = build_engines(path, ["fp32"])
+    closed: list[Engine] = []
+    close = OnnxRuntimeEngine.close
+    monkeypatch.setattr(OnnxRuntimeEngine, "close", lambda e: (closed.append(e), close(e))[1])
+
+    def factory(path: Path, manifest: Manifest, score: ScoreOutput) -> tuple[list[Engine], Engine]:
+        fallback = OnnxRuntimeEngine.from_model_dir(path, manifest, score=score)
+        return [TensorRTEngine(plan.read_bytes(), precision="fp32"), fallback], fallback
+
+    loader = VersionLoader(
+        factory,
+        max_batch_rows=16,
+        max_queue_rows=64,
+        workers=1,
+        max_queue_delay_s=0.0,
+        warmup_iterations=0,
+        degrade_on_deadline=False,
+    )
+    with pytest.raises(Unavailable, match=r"declares history\.broadcast"):
+        loader.build(path)
+    assert not trt.memory.blocks and not trt.memory.streams
+    assert [e.name for e in closed] == ["onnxruntime-cpu"]
+
+
+def test_an_engine_factory_failing_part_way_closes_the_engines_it_made(
+    trt, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TensorRT engines are loaded, then an ONNX variant's session fails to open."""
+    path = _tabular_with_plans(tmp_path)
+    made = OnnxRuntimeEngine.from_model_dir
+
+    def from_model_dir(*args: object, precision: str = "fp32", **options: object) -> Engine:
+        if precision != "fp32":
+            raise MemoryError("no memory for another session")
+        return made(*args, precision=precision, **options)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(OnnxRuntimeEngine, "from_model_dir", from_model_dir)
+    manifest = load_manifest(path)
+    score = resolve_score_output(onnx.load(path / "model.onnx"), manifest)
+    with pytest.raises(MemoryError):
+        default_engines(1, 1, tensorrt=True, onnx_variants=True)(path, manifest, score)
+    assert not trt.memory.blocks and not trt.memory.streams
