@@ -48,8 +48,14 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
 class Settings(BaseSettings):
     """Every knob of a riskserve process."""
 
+    # Every float setting is a duration, a size or a share: `inf` passes a lower bound and then
+    # overflows where it becomes a timeout, and NaN compares false with every limit.
     model_config = SettingsConfigDict(
-        env_prefix="RISKSERVE_", extra="forbid", frozen=True, env_parse_none_str="none"
+        env_prefix="RISKSERVE_",
+        extra="forbid",
+        frozen=True,
+        env_parse_none_str="none",
+        allow_inf_nan=False,
     )
 
     host: str = Field("127.0.0.1", description="Address the gRPC server binds.")

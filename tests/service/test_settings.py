@@ -1,5 +1,5 @@
 """Settings that take a structured value: the shadow worker's CPU list, pinned versions,
-processes=auto."""
+processes=auto; float settings are finite."""
 
 from __future__ import annotations
 
@@ -56,3 +56,31 @@ def test_pinned_versions_from_the_environment(monkeypatch: pytest.MonkeyPatch, t
 def test_processes_auto_is_one_per_usable_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RISKSERVE_PROCESSES", "auto")
     assert Settings(port=50051).processes == len(os.sched_getaffinity(0))
+
+
+FLOAT_SETTINGS = sorted(
+    name
+    for name, field in Settings.model_fields.items()
+    if field.annotation in (float, float | None)
+)
+
+
+def test_the_float_settings_are_the_expected_ones() -> None:
+    assert {"budget_ms", "engine_timeout_ms", "shutdown_grace_s", "trace_slow_ms"} <= set(
+        FLOAT_SETTINGS
+    )
+
+
+@pytest.mark.parametrize("name", FLOAT_SETTINGS)
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "Infinity"])
+def test_a_float_setting_that_is_not_finite_is_refused(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """`inf` passes a lower bound, then overflows where it becomes a timeout (the engine
+    watchdog, HAProxy's configuration); NaN compares false with every limit."""
+    monkeypatch.setenv(f"RISKSERVE_{name.upper()}", value)
+    with pytest.raises(pydantic.ValidationError) as caught:
+        Settings(port=50051)
+    (error,) = caught.value.errors()
+    assert error["loc"] == (name,)
+    assert error["msg"] == "Input should be a finite number"
