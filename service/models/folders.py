@@ -8,8 +8,11 @@ __all__ = ["FolderSnapshot", "discover_models", "folder_snapshot", "version_key"
 
 
 def version_key(version: str) -> tuple[int, int | str]:
-    """Numeric versions sort numerically and after any non-numeric ones."""
-    return (1, int(version)) if version.isdigit() else (0, version)
+    """Numeric versions (ASCII digits only) sort numerically and after any non-numeric ones."""
+    # str.isdigit() also holds for '²' and '①', which int() refuses: one folder so named
+    # would stop every model from loading.
+    numeric = version.isascii() and version.isdigit()
+    return (1, int(version)) if numeric else (0, version)
 
 
 def discover_models(models_dir: Path) -> dict[str, list[Path]]:
