@@ -45,7 +45,7 @@ class _Buffer:
     host: np.ndarray = field(repr=False)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Worker:
     profile: Profile
     context: Any
@@ -93,7 +93,9 @@ class TensorRTEngine(Engine):
         self._dtypes = {n: np.dtype(trt.nptype(engine.get_tensor_dtype(n))) for n in names}
         self.profiles = tuple(self._profile(k) for k in range(engine.num_optimization_profiles))
         self._cond = threading.Condition()
+        self._closed = False
         self._free: list[_Worker] = []
+        self._busy: list[_Worker] = []
         self._all: list[_Worker] = []
         try:
             for profile in self.profiles:
@@ -161,9 +163,12 @@ class TensorRTEngine(Engine):
     def _acquire(self, shapes: Mapping[str, tuple[int, ...]]) -> _Worker:
         with self._cond:
             while True:
+                if self._closed:
+                    raise EngineUnavailable(f"{self.name} is closed")
                 for worker in self._free:
                     if worker.profile.fits(shapes):
                         self._free.remove(worker)
+                        self._busy.append(worker)
                         return worker
                 if not any(w.profile.fits(shapes) for w in self._all):
                     self.select_profile(shapes)  # raises ShapeMismatch naming the tensor
@@ -172,8 +177,16 @@ class TensorRTEngine(Engine):
 
     def _release(self, worker: _Worker) -> None:
         with self._cond:
-            self._free.append(worker)
-            self._cond.notify()
+            self._busy.remove(worker)
+            if not self._closed:
+                self._free.append(worker)
+                self._cond.notify()
+                return
+            last = not self._busy
+        # close() left this worker's memory and stream to the batch using them until now.
+        self._release_worker(worker)
+        if last:
+            self._engine = None
 
     def _infer(self, inputs: Mapping[str, np.ndarray], profile: Profile) -> dict[str, np.ndarray]:
         missing = [n for n in self._input_names if n not in inputs]
@@ -246,8 +259,16 @@ class TensorRTEngine(Engine):
         worker.context = None
 
     def close(self) -> None:
+        """Free every idle context's buffers and stream now, and each busy one's when its batch
+        ends: a batch still running (past a drain, or hung under the watchdog) keeps reading
+        and writing them. Later calls raise `EngineUnavailable`."""
         with self._cond:
-            workers, self._all, self._free = self._all, [], []
-        for worker in workers:
+            self._closed = True
+            idle = [w for w in self._all if w not in self._busy]
+            self._all, self._free = [], []
+            done = not self._busy
+            self._cond.notify_all()  # callers waiting for a context raise instead
+        for worker in idle:
             self._release_worker(worker)
-        self._engine = None
+        if done:  # else the last busy context's release drops it: a context needs its engine
+            self._engine = None

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +20,7 @@ from engines.base import (
 )
 from engines.onnxrt import OnnxRuntimeEngine
 from engines.trt import PlanStore, TensorRTEngine, build_engines
+from engines.trt.cuda import CudaRuntime
 
 
 @pytest.fixture
@@ -130,3 +133,74 @@ def test_plan_record_and_inspector_sit_beside_the_plan(trt, model_dir: Path) -> 
     assert record.key.tensorrt_version == trt.trt.__version__
     assert len(record.profiles) == 1
     assert math.isfinite(record.build_seconds)
+
+
+def _hold_in_copy_to_host(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, ...]:
+    """Stops each batch at its first device-to-host copy until `go_on` is set."""
+    in_run, go_on = threading.Event(), threading.Event()
+    copy = CudaRuntime.copy_to_host
+
+    def held(self: CudaRuntime, dst: int, src: int, nbytes: int, stream: object) -> None:
+        in_run.set()
+        go_on.wait(10)
+        copy(self, dst, src, nbytes, stream)
+
+    monkeypatch.setattr(CudaRuntime, "copy_to_host", held)
+    return in_run, go_on
+
+
+def _in_thread(call: Callable[[], object]) -> tuple[threading.Thread, dict[str, object]]:
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = call()
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def test_close_frees_a_running_batchs_context_when_the_batch_ends(
+    trt, plan: bytes, model_dir: Path, inputs_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The registry closes a retired version's engines once its drain time is up, even with a
+    batch still running: that batch keeps its buffers and stream and scores as before."""
+    before, streams = set(trt.memory.blocks), set(trt.memory.streams)
+    engine = TensorRTEngine(plan, precision="fp32")
+    per_context = (len(trt.memory.blocks) - len(before)) // 2
+    in_run, go_on = _hold_in_copy_to_host(monkeypatch)
+    inputs = inputs_factory(4, length=5)
+    thread, result = _in_thread(lambda: engine.infer(inputs)["score"])
+    assert in_run.wait(10)
+    engine.close()
+    assert len(set(trt.memory.blocks) - before) == per_context  # the idle context's are freed
+    assert len(trt.memory.streams - streams) == 1
+    with pytest.raises(EngineUnavailable, match="closed"):
+        engine.infer(inputs)
+    go_on.set()
+    thread.join(10)
+    expected = OnnxRuntimeEngine.from_path(model_dir / "model.onnx").infer(inputs)["score"]
+    np.testing.assert_allclose(result["value"], expected, rtol=1e-6)
+    assert set(trt.memory.blocks) == before
+    assert trt.memory.streams == streams
+
+
+def test_a_call_waiting_for_a_context_at_close_is_refused(
+    trt, model_dir: Path, inputs_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (path,) = build_engines(model_dir, ["fp32"], contexts=1)
+    engine = TensorRTEngine(path.read_bytes(), precision="fp32")
+    in_run, go_on = _hold_in_copy_to_host(monkeypatch)
+    running, _ = _in_thread(lambda: engine.infer(inputs_factory(2, length=5)))
+    assert in_run.wait(10)
+    waiting, refused = _in_thread(lambda: engine.infer(inputs_factory(3, length=5)))
+    waiting.join(0.05)  # it waits for the one context
+    engine.close()
+    waiting.join(10)
+    assert isinstance(refused["error"], EngineUnavailable)
+    go_on.set()
+    running.join(10)
+    assert not trt.memory.streams
