@@ -265,11 +265,11 @@ class VersionLoader:
 _TYPICAL_HISTORY = 32
 
 
-# Feature rows of the broadcast probe, and how far apart its two forms' scores may be.
 def _ml_operators(path: Path) -> tuple[str, ...]:
     return onnx_ml_operators(onnx.load(str(path / "model.onnx"), load_external_data=False))
 
 
+# Feature rows of the broadcast probe, and how far apart its two forms' scores may be.
 _PROBE_ROWS = 3
 _PROBE_TOLERANCE = 1e-3
 
@@ -296,25 +296,63 @@ def _check_output(path: Path, manifest: Manifest, score: ScoreOutput, engine: En
         raise Unavailable(f"{path}: engine {engine.name}: {exc}") from exc
 
 
+def _broadcast_probe(manifest: Manifest, engine: Engine) -> tuple[int, int] | None:
+    """(rows, history length) of a broadcast probe that one of `engine`'s profiles takes both
+    with a history batch of one and with that history repeated, None where none does."""
+    spec = manifest.history
+    assert spec is not None
+    for profile in engine.profiles:
+        limit = profile.max_batch_size
+        # A profile of one row never gets a shared history: the pool sends it one row at a time.
+        rows = _PROBE_ROWS if limit is None else min(_PROBE_ROWS, limit)
+        length = min(_TYPICAL_HISTORY, spec.max_length)
+        dims = {s.name: s.dims for s in profile.inputs}.get(spec.input)
+        if dims is not None and len(dims) > 1:
+            top = dims[1].max_value
+            length = max(dims[1].min_value, length if top is None else min(length, top))
+        width = len(spec.fields)
+        shared = {
+            manifest.features_input: (rows, manifest.n_features),
+            spec.input: (1, length, width),
+            spec.mask_input: (1, length),
+        }
+        repeated = {**shared, spec.input: (rows, length, width), spec.mask_input: (rows, length)}
+        if rows > 1 and profile.fits(shared) and profile.fits(repeated):
+            return rows, length
+    return None
+
+
 def _check_broadcast(path: Path, manifest: Manifest, score: ScoreOutput, engine: Engine) -> None:
     """Refuse a version whose manifest declares `history.broadcast` where `engine` does not
     score several feature rows against a history batch of one as against that history repeated.
+
+    The probe's shapes are taken inside the engine's profiles. An engine none of whose profiles
+    takes a shared history is never sent one (the pool serves those batches elsewhere), and one
+    that fails on the repeated form is left to the pool, as in `_check_output`.
     """
     spec = manifest.history
     assert spec is not None
+    shape = _broadcast_probe(manifest, engine)
+    if shape is None:
+        log.info("%s: engine %s takes no shared history; broadcast not probed", path, engine.name)
+        return
+    rows, length = shape
     rng = np.random.default_rng(0)
-    length = min(_TYPICAL_HISTORY, spec.max_length)
-    features = rng.uniform(0.0, 1.0, (_PROBE_ROWS, manifest.n_features)).astype(np.float32)
+    features = rng.uniform(0.0, 1.0, (rows, manifest.n_features)).astype(np.float32)
     history = rng.uniform(0.0, 1.0, (1, length, len(spec.fields))).astype(np.float32)
     mask = np.ones((1, length), dtype=np.float32)
     shared = {manifest.features_input: features, spec.input: history, spec.mask_input: mask}
     repeated = {
         manifest.features_input: features,
-        spec.input: np.repeat(history, _PROBE_ROWS, axis=0),
-        spec.mask_input: np.repeat(mask, _PROBE_ROWS, axis=0),
+        spec.input: np.repeat(history, rows, axis=0),
+        spec.mask_input: np.repeat(mask, rows, axis=0),
     }
     problem = f"{path}: the manifest declares history.broadcast, but engine {engine.name}"
-    want = score.scores(engine.infer(repeated))
+    try:
+        want = score.scores(engine.infer(repeated))
+    except EngineError as exc:
+        log.warning("%s: engine %s fails on the broadcast probe: %s", path, engine.name, exc)
+        return
     try:
         got = score.scores(engine.infer(shared))
     except Exception as exc:
@@ -323,7 +361,7 @@ def _check_broadcast(path: Path, manifest: Manifest, score: ScoreOutput, engine:
         got, want, rtol=_PROBE_TOLERANCE, atol=_PROBE_TOLERANCE
     ):
         raise Unavailable(
-            f"{problem} scores {_PROBE_ROWS} rows against one history differently from the "
+            f"{problem} scores {rows} rows against one history differently from the "
             f"same history repeated (shapes {got.shape} and {want.shape})"
         )
 

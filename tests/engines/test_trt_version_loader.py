@@ -16,7 +16,7 @@ from engines.onnxrt import OnnxRuntimeEngine
 from engines.output import ScoreOutput, resolve_score_output
 from engines.trt import TensorRTEngine, build_engines
 from service.errors import Unavailable
-from service.models.loader import VersionLoader, default_engines
+from service.models.loader import EngineFactory, VersionLoader, default_engines
 
 
 def _tabular_with_plans(root: Path) -> Path:
@@ -30,8 +30,12 @@ def _tabular_with_plans(root: Path) -> Path:
 
 
 def _loader(tensorrt: bool) -> VersionLoader:
+    return _version_loader(default_engines(1, 1, tensorrt=tensorrt, onnx_variants=False))
+
+
+def _version_loader(factory: EngineFactory) -> VersionLoader:
     return VersionLoader(
-        default_engines(1, 1, tensorrt=tensorrt, onnx_variants=False),
+        factory,
         max_batch_rows=16,
         max_queue_rows=64,
         workers=1,
@@ -73,17 +77,8 @@ def test_a_version_refused_after_its_engines_were_made_closes_them(
         fallback = OnnxRuntimeEngine.from_model_dir(path, manifest, score=score)
         return [TensorRTEngine(plan.read_bytes(), precision="fp32"), fallback], fallback
 
-    loader = VersionLoader(
-        factory,
-        max_batch_rows=16,
-        max_queue_rows=64,
-        workers=1,
-        max_queue_delay_s=0.0,
-        warmup_iterations=0,
-        degrade_on_deadline=False,
-    )
     with pytest.raises(Unavailable, match=r"declares history\.broadcast"):
-        loader.build(path)
+        _version_loader(factory).build(path)
     assert not trt.memory.blocks and not trt.memory.streams
     assert [e.name for e in closed] == ["onnxruntime-cpu"]
 
@@ -106,3 +101,24 @@ def test_an_engine_factory_failing_part_way_closes_the_engines_it_made(
     with pytest.raises(MemoryError):
         default_engines(1, 1, tensorrt=True, onnx_variants=True)(path, manifest, score)
     assert not trt.memory.blocks and not trt.memory.streams
+
+
+def test_a_plan_with_a_short_history_profile_is_probed_for_broadcast_inside_it(
+    trt, tmp_path: Path
+) -> None:
+    """Histories of up to 16 rows in the plan, 64 in the manifest: the probe uses 16 and finds
+    that the graph (a Concat of history and features) does not broadcast."""
+    path = write_sequence_model(
+        tmp_path, name="seq-cat", join="concat", broadcast=True, max_length=64
+    )
+    data = json.loads((path / "manifest.json").read_text())
+    data["profiles"] = {"fp32": [{"batch": [1, 8, 64], "history_length": [1, 8, 16]}]}
+    (path / "manifest.json").write_text(json.dumps(data))
+    (plan,) = build_engines(path, ["fp32"])
+
+    def factory(path: Path, manifest: Manifest, score: ScoreOutput) -> tuple[list[Engine], Engine]:
+        fallback = OnnxRuntimeEngine.from_model_dir(path, manifest, score=score)
+        return [TensorRTEngine(plan.read_bytes(), precision="fp32"), fallback], fallback
+
+    with pytest.raises(Unavailable, match=r"history\.broadcast, but engine tensorrt-fp32"):
+        _version_loader(factory).build(path)

@@ -13,6 +13,7 @@ from modelkit import add_validated_variants, write_sequence_model, write_tabular
 from pydantic import ValidationError
 
 from engines.manifest import ProfileSpec, load_manifest
+from engines.onnxrt import OnnxRuntimeEngine
 from service.batching.rows import RowBatch
 from service.errors import Unavailable
 from service.models.loader import VersionLoader, batch_cap, default_engines
@@ -66,6 +67,59 @@ def test_a_declared_history_broadcast_is_checked_at_load(tmp_path):
         RowBatch(features, np.repeat(history, 3, axis=0), np.repeat(mask, 3, axis=0))
     )
     np.testing.assert_allclose(shared.scores, repeated.scores, rtol=1e-6)
+
+
+class _ShapeRecorder(FakeEngine):
+    """Records (feature rows, history rows, history length) of every batch it runs."""
+
+    def __init__(self, *args, **options) -> None:
+        super().__init__(*args, **options)
+        self.shapes: list[tuple[int, ...]] = []
+
+    def _infer(self, inputs, profile):
+        history = inputs["history"]
+        self.shapes.append((len(inputs["features"]), *history.shape[:2]))
+        return super()._infer(inputs, profile)
+
+
+@pytest.mark.parametrize(
+    ("max_rows", "max_history", "probed"),
+    [(64, 16, (3, 16)), (2, 64, (2, 32)), (1, 64, None)],
+    ids=["history-to-16", "batch-to-2", "batch-of-1"],
+)
+def test_the_broadcast_probe_fits_each_engines_profile(tmp_path, max_rows, max_history, probed):
+    """A TensorRT-like engine whose profile is narrower than the probe's usual 3 rows and 32
+    history rows is probed inside its profile, or, where it never gets a shared history (one
+    row at a time), not at all; either way the version loads."""
+    path = write_sequence_model(tmp_path, name="seq-add", broadcast=True, max_length=64)
+    made = []
+
+    def factory(path, manifest, score):
+        fallback = OnnxRuntimeEngine.from_model_dir(path, manifest, score=score)
+        fast = _ShapeRecorder(
+            manifest, name="tensorrt-fp16", max_rows=max_rows, max_history=max_history
+        )
+        made.append(fast)
+        return [fast, fallback], fallback
+
+    loader = VersionLoader(
+        factory,
+        max_batch_rows=16,
+        max_queue_rows=64,
+        workers=1,
+        max_queue_delay_s=0.0,
+        warmup_iterations=0,
+        degrade_on_deadline=False,
+    )
+    model = loader.build(path)
+    assert "tensorrt-fp16" in {e.name for e in model.pool.engines}
+    shared = [s for s in made[0].shapes if s[0] > 1 and s[1] == 1]
+    if probed is None:
+        assert shared == []
+    else:
+        rows, length = probed
+        assert shared == [(rows, 1, length)]
+        assert (rows, rows, length) in made[0].shapes
 
 
 def test_the_demo_model_broadcasts_its_history():
