@@ -8,6 +8,7 @@ concurrent execution context, since a context in use owns its profile.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Collection, Sequence
@@ -28,6 +29,8 @@ __all__ = [
     "profile_shapes",
     "repeat_profiles",
 ]
+
+log = logging.getLogger(__name__)
 
 
 class PlanBuildError(EngineFailure):
@@ -112,9 +115,20 @@ def _parse(trt: Any, builder: Any, onnx_path: Path, logger: Any) -> tuple[Any, A
 
 def _read_timing_cache(config: Any, path: Path | None) -> None:
     data = path.read_bytes() if path is not None and path.exists() else b""
-    cache = config.create_timing_cache(data)
-    if not config.set_timing_cache(cache, False):
-        raise PlanBuildError("TensorRT refused the timing cache")
+    if data:
+        try:
+            cache = config.create_timing_cache(data)
+            accepted = cache is not None and config.set_timing_cache(cache, False)
+        except RuntimeError:  # not a timing cache TensorRT can read (truncated, foreign)
+            accepted = False
+        if accepted:
+            return
+        # A cache is specific to the device and TensorRT version (two GPUs of one compute
+        # capability differ too): timings from another would not fit this one. The build
+        # times afresh, and its cache replaces the refused one.
+        log.warning("TensorRT refused the timing cache %s; building without its timings", path)
+    if not config.set_timing_cache(config.create_timing_cache(b""), False):
+        raise PlanBuildError("TensorRT refused an empty timing cache")
 
 
 def _write_timing_cache(config: Any, path: Path | None) -> None:
@@ -148,7 +162,8 @@ def build_plan(
     """Parse `onnx_path` and build a serialized plan with one profile per entry of `profiles`.
 
     `logger` is a `make_logger(trt)` logger; a failed build raises `PlanBuildError` carrying its
-    recent error messages. The timing cache at `timing_cache_path` is read first and saved after.
+    recent error messages. The timing cache at `timing_cache_path` is read first and saved after;
+    one TensorRT refuses (made on another device or TensorRT version) is replaced, with a WARNING.
     """
     trt = import_tensorrt()
     start = time.perf_counter()

@@ -24,7 +24,6 @@ __all__ = ["build_engines", "current_key", "load_engines"]
 log = logging.getLogger(__name__)
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
-TIMING_CACHE = "timing.cache"
 
 
 def _onnx_for(manifest: Manifest, model_dir: Path, precision: str) -> Path:
@@ -46,6 +45,13 @@ def current_key(trt: Any, cuda: CudaRuntime, onnx_path: Path, precision: str) ->
         tensorrt_version=str(trt.__version__),
         onnx_sha256=sha256_file(onnx_path),
     )
+
+
+def _timing_cache_path(store: PlanStore, key: PlanKey) -> Path:
+    """The timing cache for plans of `key`'s GPU and TensorRT version, keyed as plan files are:
+    TensorRT refuses a cache made on another device or version."""
+    sm = key.compute_capability.replace(".", "")
+    return store.folder / f"timing.sm{sm}.trt{key.tensorrt_version}.cache"
 
 
 def _history_inputs(manifest: Manifest) -> tuple[str, ...]:
@@ -102,7 +108,7 @@ def build_engines(
             onnx_path,
             profiles,
             workspace_bytes,
-            store.folder / TIMING_CACHE,
+            _timing_cache_path(store, key),
             precision,
             logger,
             history_inputs=_history_inputs(manifest),

@@ -64,6 +64,47 @@ def test_timing_cache_is_saved_and_reused(trt, model_dir: Path, tmp_path: Path) 
     assert first.endswith(b"1") and cache.read_bytes().endswith(b"2")
 
 
+def test_a_timing_cache_from_another_gpu_is_replaced_with_a_warning(
+    trt, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TensorRT refuses a cache timed on another device, even one of the same compute
+    capability (an H100's on an H200): the build starts from an empty cache and saves it."""
+    cache = tmp_path / "timing.cache"
+    trt.memory.device_name = "NVIDIA H100 80GB HBM3"
+    _build(trt.trt, model_dir, cache=cache)
+    _build(trt.trt, model_dir, cache=cache)
+    trt.memory.device_name = "NVIDIA H200"
+    with caplog.at_level(logging.WARNING, logger="engines.trt.build"):
+        assert _build(trt.trt, model_dir, cache=cache).plan
+    assert f"TensorRT refused the timing cache {cache}" in caplog.text
+    assert b"NVIDIA H200" in cache.read_bytes() and cache.read_bytes().endswith(b"1")
+
+
+def test_an_unreadable_timing_cache_is_replaced_with_a_warning(
+    trt, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"\x00 cut short")
+    with caplog.at_level(logging.WARNING, logger="engines.trt.build"):
+        assert _build(trt.trt, model_dir, cache=cache).plan
+    assert "TensorRT refused the timing cache" in caplog.text
+    assert cache.read_bytes().endswith(b"1")
+
+
+def test_each_gpu_and_tensorrt_version_keeps_its_own_timing_cache(
+    trt, model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    trt.memory.capability = (8, 9)
+    build_engines(model_dir, ["fp32"])
+    trt.memory.capability = (9, 0)
+    with caplog.at_level(logging.WARNING):
+        build_engines(model_dir, ["fp32"])
+    version = trt.trt.__version__
+    caches = sorted(p.name for p in (model_dir / "engines").glob("timing.*"))
+    assert caches == [f"timing.sm89.trt{version}.cache", f"timing.sm90.trt{version}.cache"]
+    assert "timing cache" not in caplog.text
+
+
 def test_failed_build_reports_the_loggers_errors(trt, model_dir: Path) -> None:
     trt.trt.build_failure = "Error Code 2: out of tactics for node MatMul_6"
     with pytest.raises(PlanBuildError, match="out of tactics"):

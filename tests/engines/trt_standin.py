@@ -7,6 +7,8 @@ What they do, as the real libraries do (see the project's TensorRT notes):
 - `build_serialized_network` returns None (error in the logger) when a dynamic input has no
   range in a profile or fixed dims disagree.
 - TensorRT 11 has no precision builder flags; `create_network` takes only 0 there.
+- A timing cache is specific to the TensorRT version and the device: `set_timing_cache(cache,
+  ignore_mismatch=False)` returns False for one made by another.
 - `deserialize_cuda_engine` returns None for bytes that are not a plan of this version.
 - `set_input_shape` returns False for a shape outside the active profile (it logs error code
   3, it does not raise); `execute_async_v3` returns False unless every input shape is valid
@@ -175,12 +177,24 @@ class IOptimizationProfile:
         self.shapes[name] = (lo, mid, hi)
 
 
+def _device(trt: Any) -> str:
+    """What a timing cache's header records: the TensorRT version and the GPU it timed on."""
+    memory = trt.cuda_memory
+    if memory is None:
+        return f"{trt.__version__} gpu"
+    return f"{trt.__version__} {memory.device_name} sm{memory.capability[0]}{memory.capability[1]}"
+
+
 class ITimingCache:
-    def __init__(self, data: bytes) -> None:
-        self.entries = int(data[len(CACHE_MAGIC) :] or b"0") if data else 0
+    """Serialized as the magic, a header line naming TensorRT and the device, the entries."""
+
+    def __init__(self, data: bytes, device: str) -> None:
+        header, _, entries = data[len(CACHE_MAGIC) :].partition(b"\n")
+        self.device = header.decode() if data else device
+        self.entries = int(entries or b"0")
 
     def serialize(self) -> memoryview:
-        return memoryview(CACHE_MAGIC + str(self.entries).encode())
+        return memoryview(CACHE_MAGIC + self.device.encode() + b"\n" + str(self.entries).encode())
 
 
 class IBuilderConfig:
@@ -211,10 +225,13 @@ class IBuilderConfig:
         self.trt.calls.append("create_timing_cache")
         if data and not bytes(data).startswith(CACHE_MAGIC):
             raise RuntimeError("not a timing cache")
-        return ITimingCache(bytes(data))
+        return ITimingCache(bytes(data), _device(self.trt))
 
     def set_timing_cache(self, cache: ITimingCache, ignore_mismatch: bool) -> bool:
+        """False for a cache from another TensorRT version or device, unless `ignore_mismatch`."""
         self.trt.calls.append("set_timing_cache")
+        if cache.device != _device(self.trt) and not ignore_mismatch:
+            return False
         self.cache = cache
         return True
 
@@ -528,6 +545,7 @@ class CudaMemory:
         self.blocks: dict[int, tuple[Any, int, bool]] = {}
         self.streams: set[int] = set()
         self.capability = capability
+        self.device_name = "NVIDIA H200"
         self.copies = 0
         #: device memory in all; past it cudaMalloc returns cudaErrorMemoryAllocation
         self.device_capacity_bytes: int | None = None
