@@ -347,7 +347,10 @@ def serve_processes(settings: Settings) -> int:
     signal.signal(signal.SIGUSR1, forward)
     for child in children:
         child.join()
-    return max((child.exitcode or 0) for child in children)
+    # A child ended by a signal (the OOM killer, a crash in an engine) has a negative exit code:
+    # the shell's 128 + signal, not the 0 of a clean stop.
+    codes = [child.exitcode or 0 for child in children]  # all joined: none is None
+    return max((128 - code if code < 0 else code for code in codes), default=0)
 
 
 def _run_child(settings: Settings) -> None:

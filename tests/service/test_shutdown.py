@@ -4,6 +4,7 @@ refuses new calls, lets every call already sent finish, and exits 0 within the g
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 
@@ -144,3 +145,23 @@ def test_sigterm_drains_under_load(models):
     assert after.count(grpc.StatusCode.CANCELLED) <= CLIENTS
     assert grpc.StatusCode.UNAVAILABLE in after
     print(f"shutdown: {len(sent_before)} calls before SIGTERM")
+
+
+def test_a_worker_killed_by_a_signal_makes_the_service_exit_with_it(models):
+    """`RISKSERVE_PROCESSES` without the front: a worker ended by a signal (the OOM killer, a
+    crash) is no clean stop, and the service's exit status says so as a shell would (128 + 9)."""
+    import psutil
+
+    with socket.socket() as probe:  # processes share one port, which must be fixed
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    output: list[str] = []
+    with server_process(
+        models, output=output, RISKSERVE_PROCESSES="2", RISKSERVE_FRONT="none", RISKSERVE_PORT=port
+    ) as (proc, _):
+        wait_until(lambda: sum("riskserve listening on" in line for line in output) == 2, 120)
+        killed, _ = psutil.Process(proc.pid).children()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(30)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 128 + signal.SIGKILL
