@@ -115,10 +115,15 @@ class RiskScoringServicer(pb_grpc.RiskScoringServicer):
         started = time.perf_counter()
         name = request.model or self._default_model
         note_model(name, request.model_version)
-        explain.check_batch(request)
         items = request.requests
         if not items:
             raise InvalidRequest("requests", "is empty")
+        # Refused before any pass over the items: a few megabytes of empty items are millions,
+        # and each pass would hold the event loop for every other call.
+        most = self._router.most_rows(name, request.model_version)
+        if len(items) > most:
+            raise InvalidRequest("requests", f"{len(items)} rows exceed the limit of {most}")
+        explain.check_batch(request)
         assignments = self._router.route_rows(
             name, request.model_version, [item.entity_id for item in items]
         )

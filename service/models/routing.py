@@ -86,6 +86,16 @@ class RequestRouter:
             return self._registry.get(name), None
         return self._arm(name, route), route
 
+    def most_rows(self, name: str, version: str) -> int:
+        """The most rows one batch request may bring: what the version that answers it takes,
+        or, where an experiment splits the rows among versions, what they take together."""
+        if version or not self._experimenting(name):
+            return self._registry.get(name, version).manifest.max_batch_size
+        return sum(
+            self._registry.get(name, v).manifest.max_batch_size
+            for v in self._registry.versions(name)
+        )
+
     def route_rows(self, name: str, version: str, entity_ids: Sequence[str]) -> list[Assignment]:
         """Rows grouped by the version that answers them, in order of first appearance."""
         rows = tuple(range(len(entity_ids)))

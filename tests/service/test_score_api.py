@@ -113,6 +113,17 @@ def test_score_batch_keeps_order(stub, data, models_root):
     assert all(r.timings.batch_size >= len(rows) for r in reply.responses)
 
 
+def test_a_batch_beyond_the_limit_is_refused_before_its_items_are_read(stub, models_root):
+    """The count is checked first: a few megabytes of empty items are millions, and reading each
+    (here the first asks for reasons, which ScoreBatch refuses) would hold the event loop."""
+    limit = load_manifest(models_root / "fraud-demo" / "1").max_batch_size
+    items = [pb.ScoreRequest(explain_top_k=1)] + [pb.ScoreRequest()] * limit
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.ScoreBatch(pb.ScoreBatchRequest(model="fraud-demo", requests=items), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == f"requests: {limit + 1} rows exceed the limit of {limit}"
+
+
 def test_second_differently_shaped_models_serve(stub):
     tabular = stub.Score(
         pb.ScoreRequest(model="credit-lite", features={f"f{i}": 0.1 * i for i in range(5)}),
