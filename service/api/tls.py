@@ -10,6 +10,7 @@ the old certificates stay in use.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from pathlib import Path
@@ -80,6 +81,23 @@ class CertificateFiles:
         if b"-----BEGIN" not in key or b"-----BEGIN" not in chain:
             raise ValueError("certificate or key file holds no PEM block")
         client_ca = self.client_ca_file.read_bytes() if self.client_ca_file else None
+        self._check_pair()
         return grpc.ssl_server_certificate_configuration(
             [(key, chain)], root_certificates=client_ca
         )
+
+    def _check_pair(self) -> None:
+        """The files as OpenSSL reads them: gRPC takes a key that is not the certificate's, or a
+        corrupt block, without a word and then fails to bind, as if the port were taken."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        except ssl.SSLError as exc:
+            raise ValueError(
+                f"{self.cert_file} and {self.key_file} are not a certificate and its key: {exc}"
+            ) from exc
+        if self.client_ca_file is not None:
+            try:
+                context.load_verify_locations(self.client_ca_file)
+            except ssl.SSLError as exc:
+                raise ValueError(f"{self.client_ca_file} holds no usable CA: {exc}") from exc

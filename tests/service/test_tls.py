@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 
 import grpc
 import pydantic
 import pytest
 from certs import Authority, write_atomically
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from liveserver import LiveServer, server_process
+from liveserver import REPO, LiveServer, server_process
 from modelkit import write_tabular_model
 
 from riskscoring.v1 import risk_scoring_pb2 as pb
@@ -118,6 +121,38 @@ def test_a_broken_rotation_keeps_the_old_certificate(models, pki):
             stub = health_pb2_grpc.HealthStub(channel)
             reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_key_that_is_not_the_certificates_is_named_at_start_and_not_rotated_to(models, pki):
+    """gRPC takes a mismatched pair without a word and then fails to bind, which read as a
+    port in use. Checked as OpenSSL reads the files: a start names them, a rotation to such a
+    pair keeps the old certificates and is not counted."""
+    ca, files = pki
+    stranger = ca.issue("someone-else", server=True)
+    env = {
+        **os.environ,
+        "RISKSERVE_MODELS_DIR": str(models),
+        "RISKSERVE_DEFAULT_MODEL": "credit-lite",
+        "RISKSERVE_PORT": "0",
+        "RISKSERVE_METRICS_PORT": "none",
+        "RISKSERVE_TRACE_FILE": "none",
+        "RISKSERVE_ONNX_VARIANTS": "false",
+        "RISKSERVE_TLS_CERT_FILE": str(files["cert"]),
+        "RISKSERVE_TLS_KEY_FILE": str(files["key"]),
+    }
+    with serve(models, files) as server:
+        write_atomically(files["key"], stranger.key_pem)
+        with secure(server.target, ca.pem) as channel:
+            assert score(channel).score > 0
+        assert server.server is not None and server.server.certificates is not None
+        assert server.server.certificates.reloads == 0
+    done = subprocess.run(
+        [sys.executable, "-m", "service", "serve"], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2, done.stderr
+    assert f"{files['cert']} and {files['key']} are not a certificate and its key" in last
 
 
 def test_plaintext_is_refused_off_loopback_unless_allowed(models):
