@@ -222,6 +222,14 @@ def test_invalid_settings_are_one_line():
     assert "RISKSERVE_METRICS_PORT=none" in one_line_error(done, "stats")
 
 
+def test_an_unknown_log_level_is_a_usage_error_not_a_traceback():
+    done = run_cli("--log-level", "bogus", "info")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    assert "argument --log-level: invalid choice: 'BOGUS'" in done.stderr.splitlines()[-1]
+    assert run_cli("--log-level", "debug", "validate", "--help").returncode == 0
+
+
 def test_stats_reports_an_unreachable_metrics_port(closed_port):
     done = run_cli("stats", "--window-s", "0", metrics_port=str(closed_port))
     assert done.returncode == 2
