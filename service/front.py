@@ -157,7 +157,7 @@ def haproxy_config(
     calls = sizing.most if admin_socket is not None else sizing.least
     addresses = [f"unix@{w}" if w.startswith("/") else w for w in workers]
     limited = "\n".join(
-        f"    server worker{i} {address} proto h2 maxconn {calls} check inter 1s"
+        f"    server worker{i} {address} proto h2 maxconn {calls} check inter 1s id {i}"
         for i, address in enumerate(addresses, 1)
     )
     tracking = "\n".join(
@@ -174,11 +174,18 @@ frontend metrics
     no log
     http-request use-service prometheus-exporter if {{ path /metrics }}
 """
-    runtime_api = ""
+    runtime_api = refusals = ""
     held = f"at most {calls} a worker"
     if admin_socket is not None:
         held = f"{calls} a worker at first, then what each finishes in time (riskserve sets it)"
         runtime_api = f"\n    stats socket {admin_socket} mode 600 level admin"
+        # A worker's refusals (an error status with no message: gRPC's trailers-only answer,
+        # its status among the headers) counted by server id: they are not calls it finished.
+        refused = "{ res.hdr(grpc-status) -m found } !{ res.hdr(grpc-status) -m str 0 }"
+        refusals = f"""
+    stick-table type integer size {len(workers)} store gpc0
+    http-response track-sc0 srv_id if {refused}
+    http-response sc-inc-gpc0(0) if {refused}"""
     return f"""# Written by riskserve from the RISKSERVE_* settings; do not edit.
 global
     nbthread {front_threads(len(workers))}{runtime_api}
@@ -206,7 +213,7 @@ frontend grpc
 
 # Scoring calls: {held}, the rest queued for {queue_timeout_ms(settings)} ms.
 backend calls
-    balance leastconn
+    balance leastconn{refusals}
 {limited}
 
 backend streams

@@ -11,7 +11,9 @@ the worker answered when reached directly.
 
 So when `RISKSERVE_MAX_REQUESTS_IN_PROGRESS` is 0 (the default), the process that supervises
 the front reads each worker's finished calls from HAProxy every 50 ms (its runtime API, on a
-Unix socket in the front's private folder) and sizes the worker's limit from them. A worker
+Unix socket in the front's private folder) and sizes the worker's limit from them. Calls the
+worker refused are left out: HAProxy counts them apart (an error status with no message, gRPC's
+trailers-only answer), and a quick refusal is no measure of what the worker finishes. A worker
 found full (holding its limit, or calls waiting in the queue) at two polls in a row gets what
 it finished a second in between times `target_s` (Little's law), up or down. One with room to
 spare keeps its limit or gets more, never less, so a capacity it once showed is there for the
@@ -31,9 +33,10 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +50,7 @@ __all__ = [
     "Worker",
     "WorkerLimits",
     "queue_timeout_ms",
+    "read_refusals",
     "read_stats",
     "runtime_command",
     "target_s",
@@ -113,19 +117,33 @@ class Worker:
     holding: int
 
 
-def read_stats(stat_csv: str) -> tuple[dict[str, Worker], int]:
+def read_stats(
+    stat_csv: str, refused: Mapping[int, int] | None = None
+) -> tuple[dict[str, Worker], int]:
     """Each worker of the calls backend, and the calls waiting in its queue, from `show stat`'s
-    CSV (its first line is the header, after "# ")."""
+    CSV (its first line is the header, after "# "). `refused`: the calls each worker (by server
+    id) refused (`read_refusals`), which are not calls it finished."""
     workers: dict[str, Worker] = {}
     queued = 0
+    refused = refused or {}
     for row in csv.DictReader(stat_csv.removeprefix("# ").splitlines()):
         if row.get("pxname") != CALLS_BACKEND:
             continue
         if row["svname"] == "BACKEND":
             queued = int(row["qcur"] or 0)
         elif row["svname"] != "FRONTEND":
-            workers[row["svname"]] = Worker(int(row["stot"] or 0), int(row["scur"] or 0))
+            ended = int(row["stot"] or 0) - refused.get(int(row["sid"]), 0)
+            workers[row["svname"]] = Worker(max(ended, 0), int(row["scur"] or 0))
     return workers, queued
+
+
+_TABLE_ENTRY = re.compile(r"\bkey=(\d+)\b.*\bgpc0=(\d+)\b")
+
+
+def read_refusals(table: str) -> dict[int, int]:
+    """The calls each worker refused so far, by server id, from `show table calls` (an entry
+    a line, `0x...: key=1 use=0 exp=0 gpc0=3`, once a worker has refused one)."""
+    return {int(m[1]): int(m[2]) for m in map(_TABLE_ENTRY.search, table.splitlines()) if m}
 
 
 @dataclass
@@ -164,7 +182,11 @@ class WorkerLimits:
         """Read what each worker finished since the last poll, and set the limits it calls
         for; HAProxy not answering (starting, stopping) leaves them as they are."""
         try:
-            workers, queued = read_stats(runtime_command(self.socket_path, "show stat -1 6 -1"))
+            refused = read_refusals(
+                runtime_command(self.socket_path, f"show table {CALLS_BACKEND}")
+            )
+            stats = runtime_command(self.socket_path, "show stat -1 6 -1")
+            workers, queued = read_stats(stats, refused)
         except OSError as exc:
             log.debug("front limits: no answer from haproxy (%s)", exc)
             return

@@ -20,6 +20,7 @@ from scrape import scraped_total
 from waiting import port_open, wait_until
 
 from bench.servers import free_port
+from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.config import Settings
 from service.front import haproxy_config, write
@@ -28,6 +29,7 @@ from service.front_limits import (
     Calls,
     Worker,
     WorkerLimits,
+    read_refusals,
     read_stats,
     runtime_command,
     target_s,
@@ -180,11 +182,20 @@ def test_serve_sizes_a_full_worker_s_limit_from_what_it_finishes(tmp_path: Path)
         assert grpc.StatusCode.OK in outcomes
         assert set(outcomes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED,
                                  grpc.StatusCode.DEADLINE_EXCEEDED}  # fmt: skip
+        # Calls the worker refuses (here as invalid) are not calls it finished.
+        with grpc.insecure_channel(target) as channel:
+            for _ in range(5):
+                with pytest.raises(grpc.RpcError) as refused:
+                    pb_grpc.RiskScoringStub(channel).Score(pb.ScoreRequest(), timeout=5)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         # What the limit was sized from, as HAProxy reports it once the calls have ended.
         admin = socket_folder(output) / "haproxy.sock"
-        workers, queued = read_stats(runtime_command(admin, "show stat -1 6 -1"))
-        answered = sum(code != grpc.StatusCode.RESOURCE_EXHAUSTED for code in outcomes)
-        assert workers == {"worker1": Worker(finished=answered, holding=0)}
+        refusals = read_refusals(runtime_command(admin, "show table calls"))
+        workers, queued = read_stats(runtime_command(admin, "show stat -1 6 -1"), refusals)
+        late = outcomes.count(grpc.StatusCode.DEADLINE_EXCEEDED)  # the worker's, or the caller's
+        assert refusals[1] - 5 <= late
+        finished = outcomes.count(grpc.StatusCode.OK) + late - (refusals[1] - 5)
+        assert workers == {"worker1": Worker(finished=finished, holding=0)}
         assert queued == 0
 
 
