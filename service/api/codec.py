@@ -314,21 +314,18 @@ def decode_infer_together(
         arrays = _infer_arrays(first, manifest)
     except InvalidRequest:
         return None
-    tensors = [(t.name, t.datatype, list(t.shape)) for t in first.inputs]
-    sizes = [len(raw) for raw in raw_first]
+    # The others' tensor headers and requested outputs equal the first's, compared whole (in
+    # C, a message at a time); each raw input the same size as the first's.
+    inputs, outputs = first.inputs, first.outputs
+    sizes = list(map(len, raw_first))
     for request in requests[1:]:
-        if any(output.name != served for output in request.outputs):
+        if request.inputs != inputs or request.outputs != outputs:
             return None
-        if [len(raw) for raw in request.raw_input_contents] != sizes:
+        if list(map(len, request.raw_input_contents)) != sizes:
             return None
-        inputs = request.inputs
-        if len(inputs) != len(tensors):
-            return None
-        for tensor, (name, datatype, shape) in zip(inputs, tensors, strict=True):
-            if tensor.name != name or tensor.datatype != datatype or list(tensor.shape) != shape:
-                return None
+    tensors = [(t.name, list(t.shape)) for t in inputs]
     n = len(requests)
-    for i, (name, _, shape) in enumerate(tensors):
+    for i, (name, shape) in enumerate(tensors):
         joined = b"".join([request.raw_input_contents[i] for request in requests])
         arrays[name] = np.frombuffer(joined, dtype="<f4").reshape((n * shape[0], *shape[1:]))
     try:
