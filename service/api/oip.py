@@ -44,7 +44,13 @@ from service.api.stream import (
 from service.batching.batcher import Scored
 from service.batching.budget import Budget
 from service.batching.rows import RowBatch
-from service.errors import InvalidRequest, ScoringFailed, ServiceError, status_for
+from service.errors import (
+    DeadlineMissed,
+    InvalidRequest,
+    ScoringFailed,
+    ServiceError,
+    status_for,
+)
 from service.models.registry import ModelRegistry, ModelVersion
 from service.models.routing import RequestRouter
 from service.telemetry import RequestTrace, Telemetry
@@ -195,8 +201,20 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
                 scored,
                 time.perf_counter() - started,
             )
-        scored.require_finite()
+        _require_scores(scored)
         return encode_infer_response(request, model.version, model.score.served_name, scored.scores)
+
+
+def _require_scores(scored: Scored) -> None:
+    """OIP has no fallback decision and no `degraded` flag to answer with: a request the
+    batcher degraded (`RISKSERVE_DEGRADE_ON_DEADLINE`) missed its deadline, and a row with no
+    finite score failed (`Scored.require_finite`)."""
+    if scored.degraded:
+        raise DeadlineMissed(_DEGRADED)
+    scored.require_finite()
+
+
+_DEGRADED = "the request cannot be scored within its deadline at this load"
 
 
 ENTITY_PARAMETER = "entity_id"
@@ -400,6 +418,9 @@ class _StreamJob:
         except Exception:
             log.exception("scoring %d stream messages failed", len(self.arrivals))
             self._failed(grpc.StatusCode.INTERNAL, "internal error")
+            return
+        if scored.degraded:  # no fallback decision to answer with (`_require_scores`)
+            self._failed(grpc.StatusCode.DEADLINE_EXCEEDED, _DEGRADED)
             return
         batch = scored.batch_trace
         if batch is not None:  # the batch's span links each message's, as a request's would

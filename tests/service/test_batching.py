@@ -15,6 +15,8 @@ from liveserver import LiveServer
 from modelkit import write_sequence_model
 from waiting import until
 
+from inference import grpc_service_pb2 as oip
+from inference import grpc_service_pb2_grpc as oip_grpc
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batching.batcher import MicroBatcher, Scored
@@ -187,6 +189,36 @@ def test_deadline_degrades_to_fallback_decision_when_configured(seq_models):
         served = stub.Score(request(2), timeout=2)
     assert late.degraded and late.decision == pb.REVIEW and late.fallback_reason == "deadline"
     assert not served.degraded and served.score == pytest.approx(want(2), abs=1e-6)
+
+
+def _seq_infer(i: int) -> oip.ModelInferRequest:
+    """One seq-mini row as an OIP request (4 features, 4 history rows of 3 fields)."""
+    request = oip.ModelInferRequest(model_name="seq-mini", id=f"r{i}")
+    arrays = {
+        "features": np.full((1, 4), 0.1 * i, np.float32),
+        "history": np.full((1, 4, 3), 0.5, np.float32),
+        "history_mask": np.ones((1, 4), np.float32),
+    }
+    for name, array in arrays.items():
+        request.inputs.add(name=name, datatype="FP32", shape=list(array.shape))
+        request.raw_input_contents.append(array.tobytes())
+    return request
+
+
+def test_a_degraded_request_on_the_inference_protocol_misses_its_deadline(seq_models):
+    """The inference protocol has no fallback decision and no `degraded` flag: a request the
+    batcher degrades is DEADLINE_EXCEEDED there, unary or streamed, never an OK of NaN."""
+    server, _ = serve(seq_models, base_s=0.06, warmup_iterations=2, degrade_on_deadline=True)
+    with server, server.channel() as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as late:
+            stub.ModelInfer(_seq_infer(1))  # the 10 ms budget cannot cover a 60 ms engine
+        (streamed,) = list(stub.ModelStreamInfer(iter([_seq_infer(2)]), timeout=10))
+        served = stub.ModelInfer(_seq_infer(3), timeout=2)
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "deadline" in late.value.details()
+    assert "deadline" in streamed.error_message and not streamed.infer_response.outputs
+    assert np.isfinite(np.frombuffer(served.raw_output_contents[0], "<f4")).all()
 
 
 def _try(stub, req, timeout):
