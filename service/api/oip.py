@@ -162,7 +162,8 @@ class InferenceServicer(oip_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(
         self, request: oip.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> oip.ModelInferResponse:
-        return await self._infer_one(request, self._budget.deadline(context.time_remaining()))
+        remaining_s = _within_call(_message_budget_s(request), context.time_remaining())
+        return await self._infer_one(request, self._budget.deadline(remaining_s))
 
     async def ModelStreamInfer(
         self,
@@ -255,6 +256,13 @@ def _infer_error(
             model_name=request.model_name, model_version=request.model_version, id=request.id
         ),
     )
+
+
+def _within_call(budget_s: float | None, call_remaining_s: float | None) -> float | None:
+    """A request's time, as Triton takes it: its own `timeout` within the call's deadline;
+    None where neither is set (the server's budget)."""
+    given = [s for s in (budget_s, call_remaining_s) if s is not None]
+    return min(given) if given else None
 
 
 def _message_budget_s(request: oip.ModelInferRequest) -> float | None:

@@ -221,6 +221,28 @@ def test_a_degraded_request_on_the_inference_protocol_misses_its_deadline(seq_mo
     assert np.isfinite(np.frombuffer(served.raw_output_contents[0], "<f4")).all()
 
 
+def test_a_unary_inference_request_takes_its_own_timeout_as_a_streamed_one_does(seq_models):
+    """Triton's `timeout` parameter (µs) sets a request's time within the call's deadline, on
+    ModelInfer as on ModelStreamInfer: a longer one than the server's budget is served, a
+    shorter one is refused."""
+    server, _ = serve(seq_models, base_s=0.06, warmup_iterations=2)
+    with server, server.channel() as channel:
+        stub = oip_grpc.GRPCInferenceServiceStub(channel)
+        generous, short = _seq_infer(1), _seq_infer(2)
+        generous.parameters["timeout"].int64_param = 2_000_000  # 2 s: a 60 ms engine fits
+        short.parameters["timeout"].int64_param = 1
+        served = stub.ModelInfer(generous)  # no call deadline: the server budget, 10 ms, or 2 s
+        with pytest.raises(grpc.RpcError) as late:
+            stub.ModelInfer(short, timeout=10)
+        streamed = list(stub.ModelStreamInfer(iter([generous, short]), timeout=10))
+    assert np.isfinite(np.frombuffer(served.raw_output_contents[0], "<f4")).all()
+    assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    by_id = {reply.infer_response.id or "r2": reply for reply in streamed}
+    assert (
+        by_id["r1"].infer_response.raw_output_contents and "deadline" in by_id["r2"].error_message
+    )
+
+
 def _try(stub, req, timeout):
     try:
         return stub.Score(req, timeout=timeout)
