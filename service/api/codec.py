@@ -198,6 +198,10 @@ def check_requested_outputs(request: oip.ModelInferRequest, served: str) -> None
                 f"outputs[{i}].name",
                 f"{output.name!r} is not an output of this model (it has {served!r})",
             )
+        if "classification" in output.parameters:  # Triton's class labels: not a score
+            raise InvalidRequest(
+                f"outputs[{i}].parameters['classification']", "is not supported: ask for the score"
+            )
 
 
 def checked_model_name(name: str, field: str = "model_name") -> str:
@@ -264,8 +268,8 @@ def _tensor(
         raise InvalidRequest(f"{field}.shape", f"{list(shape)} has a negative dimension")
     count = math.prod(shape)  # exact: numpy's int64 product wraps around on huge shapes
     if raw_contents:
-        if index >= len(raw_contents):
-            raise InvalidRequest("raw_input_contents", f"has no entry for inputs[{index}]")
+        if tensor.HasField("contents"):
+            raise InvalidRequest(f"{field}.contents", "must not be given with raw_input_contents")
         raw = raw_contents[index]
         if len(raw) != count * 4:
             raise InvalidRequest(
@@ -342,6 +346,11 @@ def _infer_arrays(request: oip.ModelInferRequest, manifest: Manifest) -> dict[st
         expected |= {spec.input: 3, spec.mask_input: 2}
     arrays: dict[str, np.ndarray] = {}
     raw_contents = request.raw_input_contents
+    if raw_contents and len(raw_contents) != len(request.inputs):
+        raise InvalidRequest(
+            "raw_input_contents",
+            f"has {len(raw_contents)} entries for {len(request.inputs)} inputs",
+        )
     for i, tensor in enumerate(request.inputs):
         if tensor.name not in expected:
             raise InvalidRequest(

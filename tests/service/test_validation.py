@@ -298,6 +298,29 @@ def test_oip_unknown_requested_output_names_the_field(oip_stub):
     expect(lambda: oip_stub.ModelInfer(request, timeout=5), INVALID, "outputs[1].name", "'logits'")
 
 
+def test_oip_requests_triton_refuses_are_refused_naming_the_field(oip_stub):
+    """What Triton refuses is not half-answered: class labels asked of the score output, typed
+    contents beside raw ones, raw entries that do not match the inputs."""
+    request = infer_request()
+    request.outputs.add(name="score").parameters["classification"].int64_param = 2
+    expect(
+        lambda: oip_stub.ModelInfer(request, timeout=5),
+        INVALID,
+        "outputs[0].parameters['classification']",
+    )
+    request = infer_request()
+    request.inputs[1].contents.fp32_contents.extend([0.5])
+    expect(
+        lambda: oip_stub.ModelInfer(request, timeout=5),
+        INVALID,
+        "inputs[1].contents",
+        "raw_input_contents",
+    )
+    request = infer_request()
+    request.raw_input_contents.append(b"\x00" * 8)
+    expect(lambda: oip_stub.ModelInfer(request, timeout=5), INVALID, "raw_input_contents", "4 ")
+
+
 def test_oip_empty_model_name_names_the_field(oip_stub):
     request = infer_request()
     request.model_name = ""
