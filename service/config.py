@@ -369,8 +369,8 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 
 def _is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return True
+    if host == "localhost":
+        return True  # (an empty host is every interface, to gRPC and HAProxy alike)
     try:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
