@@ -317,7 +317,14 @@ def _front_config(args: argparse.Namespace) -> int:
     workers = [w.strip() for w in args.workers.split(",") if w.strip()]
     if not workers:
         raise CommandError("--workers names no address", EXIT_USAGE)
-    print(front.write(args.out, _settings(), workers))
+    settings = _settings()
+    out = args.out.resolve()  # the paths in the file are HAProxy's to open, from anywhere
+    out.mkdir(parents=True, exist_ok=True)
+    # The same configuration `serve` writes: TLS where the settings give it (the PEM HAProxy
+    # reads is written beside the file), the front's metrics endpoint where it is on.
+    tls = front.front_tls(settings, out)
+    metrics_port = settings.front_metrics_port_resolved
+    print(front.write(out, settings, workers, metrics_port=metrics_port, tls=tls))
     return 0
 
 

@@ -50,6 +50,7 @@ __all__ = [
     "BUSY_MESSAGE",
     "busy_response",
     "find_haproxy",
+    "front_tls",
     "haproxy_config",
     "queue_timeout_ms",
     "serve_with_front",
@@ -118,6 +119,8 @@ def front_threads(workers: int) -> int:
 
 
 def _bracketed(host: str) -> str:
+    """An address as HAProxy's `bind` takes it: an IPv6 one in brackets, given with or without."""
+    host = host.strip("[]")
     return f"[{host}]" if ":" in host else host
 
 
@@ -253,7 +256,7 @@ def write(
     return config
 
 
-def _front_tls(settings: Settings, directory: Path) -> FrontTLS | None:
+def front_tls(settings: Settings, directory: Path) -> FrontTLS | None:
     """The settings' certificate and key as the one PEM HAProxy reads, private to the user."""
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         return None
@@ -354,7 +357,7 @@ class _Front:
             settings,
             [str(path) for path in self.sockets],
             metrics_port=settings.front_metrics_port_resolved,
-            tls=_front_tls(settings, self.directory),
+            tls=front_tls(settings, self.directory),
             admin_socket=self.limits.socket_path if self.limits is not None else None,
         )
         self.proxy = subprocess.Popen(

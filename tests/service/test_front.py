@@ -173,6 +173,45 @@ def test_haproxy_accepts_the_written_config_with_tls_and_metrics(tmp_path: Path)
     assert f"ssl crt {tmp_path / 'front.pem'} alpn h2 ca-file {tmp_path / 'ca.pem'}" in text
 
 
+@needs_haproxy
+def test_front_config_writes_the_settings_tls_and_the_fronts_metrics(tmp_path: Path):
+    """`riskserve front-config` writes what `serve` runs: with a certificate set, a TLS port,
+    never plaintext; and the front's metrics endpoint where it is on."""
+    authority = Authority()
+    pair = authority.issue("127.0.0.1", server=True)
+    (tmp_path / "tls.crt").write_bytes(pair.cert_pem)
+    (tmp_path / "tls.key").write_bytes(pair.key_pem)
+    metrics_port = free_port()
+    env = {
+        "RISKSERVE_HOST": "0.0.0.0",
+        "RISKSERVE_PORT": str(free_port()),
+        "RISKSERVE_TLS_CERT_FILE": str(tmp_path / "tls.crt"),
+        "RISKSERVE_TLS_KEY_FILE": str(tmp_path / "tls.key"),
+        "RISKSERVE_FRONT_METRICS_PORT": str(metrics_port),
+    }
+    command = [
+        sys.executable, "-c", "import sys; from service.cli import main; sys.exit(main())",
+        "front-config", "--out", "front", "--workers", "127.0.0.1:7001",
+    ]  # fmt: skip
+    subprocess.run(command, cwd=tmp_path, check=True, env={**_base_env(), **env})
+    config = tmp_path / "front" / "haproxy.cfg"
+    text = config.read_text()
+    assert f"ssl crt {tmp_path / 'front' / 'front.pem'} alpn h2" in text
+    assert f"bind 127.0.0.1:{metrics_port}" in text
+    checked = subprocess.run([str(HAPROXY), "-c", "-f", str(config)], capture_output=True)
+    assert checked.returncode == 0, checked.stderr.decode()
+
+
+def test_an_ipv6_host_is_bracketed_once_and_an_empty_one_needs_tls():
+    """`[::1]` and `::1` are one address to HAProxy's bind; an empty host is every interface,
+    so it is no loopback that plaintext may serve."""
+    for host in ("::1", "[::1]"):
+        text = haproxy_config(Settings(host=host, port=6051), ["127.0.0.1:7001"], Path("/x/b"))
+        assert "\n    bind [::1]:6051 proto h2\n" in text
+    with pytest.raises(ValueError, match="plaintext"):
+        Settings(host="", port=6051)
+
+
 @contextmanager
 def _served(models: Path, output: list[str], **env: str) -> Iterator[tuple[Popen, str, int]]:
     """`riskserve serve` with the front over two workers, each taking one scoring call;
