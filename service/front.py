@@ -26,6 +26,7 @@ sees SERVING while the front sheds.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import multiprocessing
@@ -194,6 +195,7 @@ global
     nbthread {front_threads(len(workers))}{runtime_api}
     maxconn {_max_connections()}
     hard-stop-after {math.ceil(settings.shutdown_grace_s) + 2}s
+    noreuseport
     log stderr format raw local0 err
 
 defaults
@@ -299,6 +301,26 @@ def _accepts(path: Path) -> bool:
         except OSError:
             return False
     return True
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on, as a lone server does, before the workers
+    load: HAProxy would fail to bind it (it binds without SO_REUSEPORT here), while the port,
+    answering, looked open to the start."""
+    address = host.strip("[]")
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as HAProxy binds
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise
+            raise OSError(
+                errno.EADDRINUSE,
+                f"cannot listen on {_bracketed(host)}:{port}: the port is in use; choose "
+                "another port (RISKSERVE_PORT or --port)",
+            ) from None
 
 
 def _port_open(host: str, port: int) -> bool:
@@ -425,6 +447,7 @@ class _Front:
 def serve_with_front(settings: Settings, haproxy: str) -> int:
     """Serve `settings.processes` workers behind HAProxy until SIGTERM or SIGINT, then drain;
     SIGHUP (reload models) and SIGUSR1 (roll experiment logs) go on to every worker."""
+    _check_port_free(settings.host, settings.port)
     front = _Front(settings, haproxy)
     signal.signal(signal.SIGTERM, lambda *_: front.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: front.stopping.set())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -380,6 +381,38 @@ def test_a_reload_signal_while_the_workers_load_waits_and_the_service_comes_up(m
     finally:
         proc.terminate()
     assert proc.wait(timeout=60) == 0
+
+
+@needs_haproxy
+def test_a_front_on_a_port_in_use_says_so_and_never_that_it_listens(models: Path):
+    """Something already listens on the port: the service says so in one line (exit 2) before
+    its workers load, as a lone server does, and never shares the port (HAProxy binds it
+    without SO_REUSEPORT)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        environ = {
+            **_base_env(),
+            "RISKSERVE_MODELS_DIR": str(models),
+            "RISKSERVE_FRONT": "haproxy",
+            "RISKSERVE_PORT": str(port),
+            "RISKSERVE_METRICS_PORT": "none",
+            "RISKSERVE_TRACE_FILE": "none",
+            "RISKSERVE_DEFAULT_MODEL": "seq-mini",
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "service", "serve"],
+            env=environ, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "listening" not in done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"riskserve serve: cannot listen on 127.0.0.1:{port}: the port is in use"
+    )
+    config = haproxy_config(Settings(port=6051), ["127.0.0.1:7001"], Path("/x/b"))
+    assert "\n    noreuseport\n" in config
 
 
 @needs_haproxy
