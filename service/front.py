@@ -26,6 +26,7 @@ sees SERVING while the front sheds.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -194,7 +195,7 @@ frontend metrics
 global
     nbthread {front_threads(len(workers))}{runtime_api}
     maxconn {_max_connections()}
-    hard-stop-after {math.ceil(settings.shutdown_grace_s) + 2}s
+    hard-stop-after {math.ceil(settings.shutdown_grace_s + _queue_drain_s(settings)) + 2}s
     noreuseport
     log stderr format raw local0 err
 
@@ -301,6 +302,12 @@ def _accepts(path: Path) -> bool:
         except OSError:
             return False
     return True
+
+
+def _queue_drain_s(settings: Settings) -> float:
+    """How long a stop lets the front's queue empty before the workers drain: twice the time
+    a call may wait in it."""
+    return 2 * queue_timeout_ms(settings) / 1e3
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -412,7 +419,9 @@ class _Front:
         grace_s = self.settings.shutdown_grace_s
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.send_signal(signal.SIGUSR1)
-            time.sleep(2 * queue_timeout_ms(self.settings) / 1e3)
+            # Time for its queue to empty; a HAProxy that holds no call ends at once.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proxy.wait(_queue_drain_s(self.settings))
         self.forward(signal.SIGTERM)
         for worker in self.workers:
             worker.join(grace_s + 5)

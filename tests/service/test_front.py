@@ -297,6 +297,25 @@ def test_sigterm_drains_and_ends_the_workers_the_front_and_their_sockets(models:
 
 
 @needs_haproxy
+def test_an_idle_front_stops_without_waiting_out_its_queue_time(models: Path):
+    """A stop lets the front's queue empty for twice its queue time (a quarter of the budget)
+    at most: a front holding no call ends at once, however long the budget. HAProxy's hard
+    stop counts that wait too."""
+    settings = Settings(port=6051, budget_ms=40_000, shutdown_grace_s=1)
+    config = haproxy_config(settings, ["127.0.0.1:7001"], Path("/x/b"))
+    assert "\n    hard-stop-after 23s\n" in config  # 1 s of grace, 20 s of queue, 2 s
+    with _served(models, [], RISKSERVE_BUDGET_MS="40000", RISKSERVE_SHUTDOWN_GRACE_S="1") as (
+        proc,
+        target,
+        _,
+    ):
+        with grpc.insecure_channel(target) as channel:
+            assert pb_grpc.RiskScoringStub(channel).Score(sequence_request(1, 5), timeout=5)
+        proc.terminate()
+        assert proc.wait(timeout=15) == 0  # the queue's 20 s are not waited out
+
+
+@needs_haproxy
 def test_a_worker_that_dies_stops_the_service_with_a_failure(models: Path):
     output: list[str] = []
     with _served(models, output) as (proc, _, _port):
