@@ -20,6 +20,8 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
 # Defaults of the file's bounds: 16 MiB a file, 3 backups, 64 MiB of spans at most.
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_BACKUP_COUNT = 3
 
@@ -43,6 +45,7 @@ class JsonLinesSpanExporter(SpanExporter):
         self._lock = threading.Lock()
         self._handler: RotatingFileHandler | None = None
         self._closed = False
+        self._failed = False
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         lines = [json.dumps(span_to_record(span), default=str) for span in spans]
@@ -61,7 +64,15 @@ class JsonLinesSpanExporter(SpanExporter):
                         handler.stream = handler._open()
                     handler.stream.write(line + "\n")
                 handler.flush()
-            except OSError:
+            except OSError as exc:
+                # Said once at WARNING (a folder not writable stays so), then at DEBUG.
+                log.log(
+                    logging.DEBUG if self._failed else logging.WARNING,
+                    "kept traces not written to %s: %s",
+                    self._path,
+                    exc,
+                )
+                self._failed = True
                 return SpanExportResult.FAILURE
         return SpanExportResult.SUCCESS
 

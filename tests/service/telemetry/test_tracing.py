@@ -299,3 +299,16 @@ def test_a_stop_waits_for_an_unanswered_collector_no_longer_than_its_bound():
     finally:
         exporter.answer.set()
         telemetry.shutdown()
+
+
+def test_a_trace_file_that_cannot_be_written_is_said_once(tmp_path: Path, caplog):
+    """A folder the service cannot write (an image's root-owned working folder): the kept
+    traces are lost, and a WARNING names the file once, where they went without a word."""
+    (tmp_path / "taken").write_text("a file, not a folder")
+    telemetry = setup_telemetry(_config(trace_file=tmp_path / "taken" / "traces.jsonl"))
+    with caplog.at_level("DEBUG", logger="service.telemetry.jsonl_exporter"):
+        _run(telemetry, [b"abort", b"abort", b"abort"])  # kept: failed calls
+    said = [r for r in caplog.records if "kept traces not written to" in r.getMessage()]
+    assert said and said[0].levelname == "WARNING"
+    assert str(tmp_path / "taken" / "traces.jsonl") in said[0].getMessage()
+    assert [r.levelname for r in said[1:]] == ["DEBUG"] * (len(said) - 1)
