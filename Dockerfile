@@ -49,7 +49,8 @@ LABEL org.opencontainers.image.title="riskserve (CPU)" \
 RUN apt-get update && apt-get install -y --no-install-recommends haproxy \
     && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 riskserve \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin riskserve
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin riskserve \
+    && install -d -o 10001 -g 10001 /opt/riskserve/data
 COPY --from=cpu-build /opt/riskserve/venv /opt/riskserve/venv
 COPY --from=cpu-build --chown=10001:10001 /opt/riskserve/models /opt/riskserve/models
 # Plaintext on all interfaces so the container is reachable; the server refuses this unless
@@ -65,7 +66,8 @@ ENV PATH=/opt/riskserve/venv/bin:$PATH \
     RISKSERVE_METRICS_HOST=0.0.0.0 \
     RISKSERVE_METRICS_PORT=9464 \
     RISKSERVE_MODELS_DIR=/opt/riskserve/models
-WORKDIR /opt/riskserve
+# The service user's files with relative defaults (the local trace file, shadow logs) go here.
+WORKDIR /opt/riskserve/data
 USER 10001:10001
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=60s --retries=3 \
@@ -80,7 +82,8 @@ LABEL org.opencontainers.image.title="riskserve (GPU)" \
 RUN apt-get update && apt-get install -y --no-install-recommends haproxy \
     && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 riskserve \
-    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin riskserve
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin riskserve \
+    && install -d -o 10001 -g 10001 /opt/riskserve/data
 COPY --from=gpu-build /opt/riskserve/venv /opt/riskserve/venv
 # Writable by the service user: TensorRT plans for this GPU are built into the model folder.
 COPY --from=gpu-build --chown=10001:10001 /opt/riskserve/models /opt/riskserve/models
@@ -94,7 +97,8 @@ ENV PATH=/opt/riskserve/venv/bin:$PATH \
     RISKSERVE_METRICS_HOST=0.0.0.0 \
     RISKSERVE_METRICS_PORT=9464 \
     RISKSERVE_MODELS_DIR=/opt/riskserve/models
-WORKDIR /opt/riskserve
+# The service user's files with relative defaults (the local trace file, shadow logs) go here.
+WORKDIR /opt/riskserve/data
 USER 10001:10001
 EXPOSE 50051 9464
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s --retries=3 \
