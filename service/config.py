@@ -298,6 +298,16 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _durations_within_a_week(self) -> Settings:
+        """A duration past a week is a mistake (a unit confused), and past what the clocks,
+        waits and HAProxy's timers take it fails where it is used (OverflowError)."""
+        for name, scale in _DURATION_SCALES.items():
+            value = getattr(self, name)
+            if value is not None and value / scale > _LONGEST_DURATION_S:
+                raise ValueError(f"{name}: {value:g} is more than a week")
+        return self
+
+    @model_validator(mode="after")
     def _fixed_port_for_processes(self) -> Settings:
         if self.processes > 1 and self.port == 0:
             raise ValueError("processes > 1 share one port: set a fixed port, not 0")
@@ -366,6 +376,16 @@ def parse_cpu_list(text: str) -> frozenset[int]:
             raise ValueError(f"{part!r} is not an ascending range of CPUs 0 to {_MAX_CPU}")
         cpus.update(range(first, last + 1))
     return frozenset(cpus)
+
+
+# Every duration setting, by its unit's share of a second (the name's suffix says the unit).
+_DURATION_SCALES = {
+    name: {"_s": 1, "_ms": 1e3, "_us": 1e6}[suffix]
+    for name in Settings.model_fields
+    for suffix in ("_us", "_ms", "_s")
+    if name.endswith(suffix)
+}
+_LONGEST_DURATION_S = 7 * 24 * 3600
 
 
 def _is_loopback(host: str) -> bool:

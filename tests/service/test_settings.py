@@ -84,3 +84,19 @@ def test_a_float_setting_that_is_not_finite_is_refused(
     (error,) = caught.value.errors()
     assert error["loc"] == (name,)
     assert error["msg"] == "Input should be a finite number"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("engine_timeout_ms", "1e300"), ("shutdown_grace_s", "1e12"), ("gather_us", "10" + "0" * 15)],
+)
+def test_a_duration_of_more_than_a_week_is_refused(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    """A finite duration can still overflow where it becomes a wait (1e300 ms in the engine
+    watchdog): past a week, a unit was confused."""
+    monkeypatch.setenv(f"RISKSERVE_{name.upper()}", value)
+    with pytest.raises(pydantic.ValidationError, match=f"{name}: .* is more than a week"):
+        Settings(port=50051)
+    monkeypatch.setenv(f"RISKSERVE_{name.upper()}", "1")
+    assert getattr(Settings(port=50051), name) == 1
