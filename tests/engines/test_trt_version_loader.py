@@ -8,6 +8,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+from loaders import small_loader
 from modelkit import add_validated_variants, write_sequence_model, write_tabular_model
 
 from engines.base import Engine
@@ -34,15 +35,7 @@ def _loader(tensorrt: bool) -> VersionLoader:
 
 
 def _version_loader(factory: EngineFactory) -> VersionLoader:
-    return VersionLoader(
-        factory,
-        max_batch_rows=16,
-        max_queue_rows=64,
-        workers=1,
-        max_queue_delay_s=0.0,
-        warmup_iterations=0,
-        degrade_on_deadline=False,
-    )
+    return small_loader(factory)
 
 
 def test_a_cuda_failure_loading_plans_serves_the_version_without_tensorrt(

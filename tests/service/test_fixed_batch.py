@@ -9,10 +9,10 @@ import time
 
 import numpy as np
 import onnx
+from loaders import small_loader
 from modelkit import write_tabular_model
 
 from service.batching.rows import RowBatch
-from service.models.loader import VersionLoader, default_engines
 
 
 def test_a_model_of_fixed_batch_one_scores_a_job_of_several_rows(tmp_path):
@@ -21,16 +21,7 @@ def test_a_model_of_fixed_batch_one_scores_a_job_of_several_rows(tmp_path):
     for value in (*model.graph.input, *model.graph.output):
         value.type.tensor_type.shape.dim[0].dim_value = 1  # replaces the symbolic batch
     onnx.save(model, folder / "model.onnx")
-    loader = VersionLoader(
-        default_engines(1, 1, tensorrt=False, onnx_variants=False),
-        max_batch_rows=16,
-        max_queue_rows=64,
-        workers=1,
-        max_queue_delay_s=0.0,
-        warmup_iterations=1,
-        degrade_on_deadline=False,
-    )
-    version = loader.build(folder)
+    version = small_loader(warmup_iterations=1).build(folder)
     rows = np.random.default_rng(0).normal(size=(3, 5)).astype(np.float32)
 
     async def score() -> tuple[np.ndarray, list[np.ndarray]]:

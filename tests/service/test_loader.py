@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from fakes import FakeEngine
 from liveserver import REPO
+from loaders import small_loader
 from modelkit import add_validated_variants, write_sequence_model, write_tabular_model
 from pydantic import ValidationError
 
@@ -38,15 +39,7 @@ def test_without_engine_profiles_the_manifest_profiles_cap_the_batch():
 
 
 def _loader(onnx_variants: bool = False) -> VersionLoader:
-    return VersionLoader(
-        default_engines(1, 1, tensorrt=False, onnx_variants=onnx_variants),
-        max_batch_rows=16,
-        max_queue_rows=64,
-        workers=1,
-        max_queue_delay_s=0.0,
-        warmup_iterations=0,
-        degrade_on_deadline=False,
-    )
+    return small_loader(default_engines(1, 1, tensorrt=False, onnx_variants=onnx_variants))
 
 
 def test_a_declared_history_broadcast_is_checked_at_load(tmp_path):
@@ -102,15 +95,7 @@ def test_the_broadcast_probe_fits_each_engines_profile(tmp_path, max_rows, max_h
         made.append(fast)
         return [fast, fallback], fallback
 
-    loader = VersionLoader(
-        factory,
-        max_batch_rows=16,
-        max_queue_rows=64,
-        workers=1,
-        max_queue_delay_s=0.0,
-        warmup_iterations=0,
-        degrade_on_deadline=False,
-    )
+    loader = small_loader(factory)
     model = loader.build(path)
     assert "tensorrt-fp16" in {e.name for e in model.pool.engines}
     shared = [s for s in made[0].shapes if s[0] > 1 and s[1] == 1]
