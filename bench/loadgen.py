@@ -43,9 +43,9 @@ from bench.results import (
 __all__ = ["LoadGenerator", "LoadPlan", "main"]
 
 START_MARGIN_S = 0.5  # lets every client process connect before the first scheduled send
-# The event loop's timers wake up to ~1 ms late (epoll's resolution); waking this much early and
-# timing from max(scheduled, sent) keeps that timer error out of the latencies, while a client
-# that is really behind still has its lag charged to the request.
+# The event loop's timers wake up to ~1 ms late (epoll's resolution): waking this much early
+# keeps that timer error out of the latencies, which run from min(scheduled, sent), so that a
+# client that is really behind still has its lag charged to the request.
 EARLY_WAKE_S = 0.001
 
 
@@ -112,9 +112,12 @@ async def _open_loop(
 
         async def one(scheduled: float) -> None:
             nonlocal last_done
-            origin = max(scheduled, loop.time())
+            # From the schedule, or from the send where the early wake-up sent it first: a
+            # late send is charged its lag, an early one not credited with the wait it skipped.
+            sent = loop.time()
+            origin = min(scheduled, sent)
             try:
-                await call(payload, timeout=max(1e-3, timeout_s - (origin - scheduled)))
+                await call(payload, timeout=max(1e-3, timeout_s - max(0.0, sent - scheduled)))
                 now = loop.time()
                 latencies.append(now - origin)
             except grpc.aio.AioRpcError as exc:
