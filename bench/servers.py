@@ -36,6 +36,9 @@ __all__ = [
     "serve_alone",
 ]
 
+# The module a shadow worker runs (`python -m service.shadow.worker`), as its command line shows.
+SHADOW_WORKER = "service.shadow.worker"
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
@@ -145,8 +148,10 @@ class ServerProcess:
         return self._process.pid
 
     def cpu_seconds(self) -> float:
-        """User plus system CPU time of every live process the server started: its process
-        group, and its descendants in groups of their own (the front's workers and HAProxy)."""
+        """User plus system CPU time of every live process the server started to answer calls:
+        its process group, and its descendants in groups of their own (the front's workers and
+        HAProxy). A shadow worker is left out: it scores challengers off the hot path, and the
+        benchmarks that run one count it apart (`bench.shadow_overhead`)."""
         if self._process is None:
             return math.nan
         group, total = self._process.pid, 0.0
@@ -154,8 +159,10 @@ class ServerProcess:
             tree = {p.pid for p in psutil.Process(group).children(recursive=True)} | {group}
         except psutil.Error:
             tree = set()
-        for process in psutil.process_iter():
+        for process in psutil.process_iter(["cmdline"]):
             try:
+                if SHADOW_WORKER in (process.info["cmdline"] or ()):
+                    continue
                 if process.pid in tree or os.getpgid(process.pid) == group:
                     times = process.cpu_times()
                     total += times.user + times.system

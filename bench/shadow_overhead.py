@@ -38,7 +38,14 @@ from onnx import TensorProto, helper, numpy_helper
 
 from bench.results import floats
 from bench.score_load import ScoreStream, open_loop, score_requests
-from bench.servers import ServerProcess, ServerSpec, free_port, metric_sum, scrape_metrics
+from bench.servers import (
+    SHADOW_WORKER,
+    ServerProcess,
+    ServerSpec,
+    free_port,
+    metric_sum,
+    scrape_metrics,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "models" / "fraud-demo" / "1"
@@ -164,7 +171,7 @@ def _workers() -> list[psutil.Process]:
     """The running shadow worker processes (they are not in the server's process group)."""
     found = []
     for process in psutil.process_iter(["cmdline"]):
-        if "service.shadow.worker" in (process.info["cmdline"] or ()):
+        if SHADOW_WORKER in (process.info["cmdline"] or ()):
             found.append(process)
     return found
 
