@@ -66,6 +66,8 @@ CLOSE_GRACE_S = 5.0
 # The share of a request's timeout it may wait here for a place in the window (the front's
 # queue time is a quarter of the budget too: service.front_limits.queue_timeout_ms).
 _QUEUE_SHARE = 0.25
+# Dead requests the outbox may hold beyond twice the live ones before it is swept.
+_OUTBOX_SLACK = 64
 
 
 class _Pending:
@@ -185,7 +187,16 @@ class AsyncScoreStream:
         if timeout_s is not None:
             wait_s = timeout_s * _QUEUE_SHARE
             pending.timer = loop.call_later(wait_s, self._waited, request_id, wait_s, timeout_s)
-        self._outbox.append(pending)
+        outbox = self._outbox
+        if len(outbox) > 2 * len(self._pending) + _OUTBOX_SLACK:
+            # A request failed before it was sent (timed out, given up) stays queued until the
+            # sender passes it by; while nothing is sent (no server up, a window full) such
+            # requests would pile up here for good. The sender holds this deque: kept, not
+            # replaced.
+            live = [p for p in outbox if not p.future.done()]
+            outbox.clear()
+            outbox.extend(live)
+        outbox.append(pending)
         self._wake()
         if self._runner is None:
             self._has_work = asyncio.Event()

@@ -204,3 +204,27 @@ def test_with_the_server_down_overlapping_calls_are_unary_and_fail_fast():
     assert len(codes) == 40 and set(codes) <= {"UNAVAILABLE", "RESOURCE_EXHAUSTED"}
     assert "UNAVAILABLE" in codes
     assert shared == ()
+
+
+def test_requests_that_time_out_unsent_are_not_kept_while_nothing_can_be_sent():
+    """A stream waiting for a server that is down sends nothing: each request it is given times
+    out unsent, and none of them is held after (each held its request until a send passed it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        target = f"127.0.0.1:{probe.getsockname()[1]}"
+
+    async def run() -> tuple[list[str], int]:
+        async with grpc.aio.insecure_channel(target) as channel:
+            stream = AsyncScoreStream(channel, timeout_s=0.002)
+            codes = []
+            for i in range(1_000):
+                with pytest.raises(ScoringError) as failed:
+                    await stream.score(sequence_request(i, 3))
+                codes.append(failed.value.code.name)
+            held = len(stream._outbox)
+            await stream.close(0)
+            return codes, held
+
+    codes, held = asyncio.run(run())
+    assert set(codes) <= {"DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED"}
+    assert held <= 65  # at most the sweep's slack and the last one, none of them live
