@@ -23,12 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from engines.base import Engine, EngineHung, Profile
+from engines.base import Engine, EngineHung, EngineUnavailable, Profile
 
 __all__ = ["Watchdog"]
 
 Arrays = Mapping[str, np.ndarray]
 _Call = tuple[Callable[[Arrays], dict[str, np.ndarray]], Arrays, Future]
+# Put on the queue once for each thread at shutdown: the thread that takes it ends.
+_STOP: Any = None
 
 
 class _DaemonWorkers:
@@ -55,14 +57,23 @@ class _DaemonWorkers:
         self._calls.put((fn, inputs, future))
         return future
 
+    def shutdown(self) -> None:
+        """End the threads once they are idle (a hung one ends if its call ever returns): a
+        retired model version's engine left them waiting on the queue for good."""
+        with self._lock:
+            threads, self._limit = self._threads, 0
+        for _ in range(threads):
+            self._calls.put(_STOP)
+
     def _work(self) -> None:
-        while True:
-            fn, inputs, future = self._calls.get()
+        while (call := self._calls.get()) is not _STOP:
+            fn, inputs, future = call
             if future.set_running_or_notify_cancel():
                 try:
                     future.set_result(fn(inputs))
                 except BaseException as exc:  # handed to the waiting caller
                     future.set_exception(exc)
+            del call, fn, inputs, future  # a thread waiting holds no engine or arrays
             with self._lock:
                 self._idle += 1
 
@@ -81,6 +92,7 @@ class Watchdog(Engine):
         # One spare thread, so a call can start while a hung one still holds its thread.
         self._workers = _DaemonWorkers(engine.max_concurrency + 1, f"watchdog-{engine.name}")
         self.hung = False
+        self._closed = False
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -89,6 +101,8 @@ class Watchdog(Engine):
         return self.inner.select_profile(shapes)
 
     def infer(self, inputs: Arrays) -> dict[str, np.ndarray]:
+        if self._closed:
+            raise EngineUnavailable(f"{self.name} is closed")
         if self.hung:
             raise EngineHung(f"{self.name}: an earlier call is still running past its limit")
         future = self._workers.submit(self.inner.infer, inputs)
@@ -104,4 +118,6 @@ class Watchdog(Engine):
         raise NotImplementedError  # infer() delegates whole calls to the wrapped engine
 
     def close(self) -> None:
+        self._closed = True
+        self._workers.shutdown()
         self.inner.close()
