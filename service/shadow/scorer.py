@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +44,10 @@ _log = logging.getLogger(__name__)
 # The most padded history cells (rows x history length) in one engine call, unless it is one
 # row; and the sleep before each call (see the module's notes).
 MAX_CELLS_PER_CALL = 256
+# The most versions whose sessions the worker keeps loaded: the least recently scored one is
+# closed past it (loaded again from its folder if it is shadowed again), so a deployment that
+# rotates challengers does not keep every session it ever loaded.
+MAX_LOADED_VERSIONS = 8
 PAUSE_S = 0.001
 
 Key = tuple[str, str]  # (model, version)
@@ -75,7 +79,7 @@ class ChallengerScorer:
         self._pause_s = pause_s
         self._dirs: dict[Key, Path] = {}
         self._manifests: dict[Key, Manifest] = {}
-        self._engines: dict[Key, tuple[Engine, ScoreOutput]] = {}
+        self._engines: OrderedDict[Key, tuple[Engine, ScoreOutput]] = OrderedDict()
         self._occlusions: dict[Key, Occlusion] = {}
 
     def add_version(self, model: str, version: str, model_dir: Path) -> None:
@@ -127,7 +131,9 @@ class ChallengerScorer:
 
     def _engine(self, key: Key) -> tuple[Engine, ScoreOutput]:
         """The version's engine and where its score is among the engine's outputs."""
-        if key not in self._engines:
+        if key in self._engines:
+            self._engines.move_to_end(key)
+        else:
             model_dir, manifest = self._dirs[key], self._manifest(key)
             score = resolve_score_output(model_dir / "model.onnx", manifest)
             engine = OnnxRuntimeEngine.from_model_dir(
@@ -140,6 +146,12 @@ class ChallengerScorer:
             )
             self._engines[key] = (engine, score)
             _log.info("shadow worker loaded %s version %s", *key)
+            while len(self._engines) > MAX_LOADED_VERSIONS:
+                least, (unused, _) = self._engines.popitem(last=False)
+                unused.close()
+                self._manifests.pop(least, None)
+                self._occlusions.pop(least, None)
+                _log.info("shadow worker closed %s version %s (least recently scored)", *least)
         return self._engines[key]
 
     def _score_group(

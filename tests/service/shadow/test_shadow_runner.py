@@ -26,7 +26,7 @@ from service.shadow import runner as runner_module
 from service.shadow.channel import encode_job, frame
 from service.shadow.log import read_spool
 from service.shadow.runner import MIN_SAMPLED_SHARE, sampled
-from service.shadow.scorer import ChallengerScorer
+from service.shadow.scorer import MAX_LOADED_VERSIONS, ChallengerScorer
 from service.shadow.worker import serve
 
 MODEL = "seq-mini"
@@ -257,6 +257,34 @@ def test_a_pass_runs_rows_grouped_by_history_length_with_bounded_padding(
     for j in jobs:  # each row scored as if alone, whatever it was grouped with
         for request_id, score in zip(j.request_ids, direct(models / MODEL / "2", j), strict=True):
             assert logged[request_id] == pytest.approx(float(score), abs=1e-6)
+
+
+def test_the_worker_keeps_the_sessions_of_the_versions_it_scored_last(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Challengers rotated one after another: past MAX_LOADED_VERSIONS the session scored
+    longest ago is closed, and a version shadowed again is loaded again from its folder."""
+    closed: list[str] = []
+    close = OnnxRuntimeEngine.close
+
+    def recording(self: OnnxRuntimeEngine) -> None:
+        closed.append(self.name)
+        close(self)
+
+    monkeypatch.setattr(OnnxRuntimeEngine, "close", recording)
+    log = ExperimentLog(str(tmp_path), replica_id="t", flush_interval_s=0.05).start()
+    scorer = ChallengerScorer(log)
+    versions = [str(v) for v in range(3, 3 + MAX_LOADED_VERSIONS + 2)]
+    for version in ("1", *versions):
+        scorer.add_version(MODEL, version, models / MODEL / "2")  # the same files each
+    for i, version in enumerate(versions):
+        assert scorer.score([job(i, versions=(version,))]).completed == {MODEL: 1}
+    assert len(closed) == 2  # the two scored first
+    assert scorer.score([job(99, versions=(versions[0],))]).completed == {MODEL: 1}
+    assert len(closed) == 3
+    scorer.close()
+    log.close()
+    assert len(closed) == 3 + MAX_LOADED_VERSIONS
 
 
 def test_a_worker_behind_halves_the_sampled_share_and_doubles_it_once_caught_up(
