@@ -46,7 +46,7 @@ from pathlib import Path
 
 from service.config import Settings
 from service.front_limits import WorkerLimits, queue_timeout_ms, worker_calls
-from service.prctl import PR_SET_PDEATHSIG, prctl
+from service.prctl import end_with_parent
 
 __all__ = [
     "BUSY_MESSAGE",
@@ -272,12 +272,6 @@ def front_tls(settings: Settings, directory: Path) -> FrontTLS | None:
     return FrontTLS(pem, settings.tls_client_ca_file)
 
 
-def _end_with_parent() -> None:
-    """Have the kernel send this process SIGTERM when the process that started it dies, so a
-    front killed outright leaves no worker or HAProxy holding the sockets (Linux only)."""
-    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def _run_worker(settings: Settings, address: str) -> None:
     import asyncio
 
@@ -291,7 +285,7 @@ def _run_worker(settings: Settings, address: str) -> None:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # The front decides when workers stop: a Ctrl-C in a terminal reaches it alone.
     os.setpgid(0, 0)
-    _end_with_parent()
+    end_with_parent()
     asyncio.run(serve(settings, address=address))
 
 
@@ -392,7 +386,7 @@ class _Front:
         self.proxy = subprocess.Popen(
             [self.haproxy, "-db", "-f", str(config)],
             process_group=0,
-            preexec_fn=_end_with_parent,
+            preexec_fn=end_with_parent,
         )
         while not _port_open(settings.host, settings.port):
             if self.proxy.poll() is not None:

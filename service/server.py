@@ -39,6 +39,7 @@ from service.models.loader import EngineFactory, VersionLoader, default_engines
 from service.models.registry import ModelRegistry
 from service.models.reload import ModelWatcher
 from service.models.routing import RequestRouter
+from service.prctl import end_with_parent
 from service.telemetry import Metrics, Telemetry, setup_telemetry
 
 __all__ = ["RiskServer", "build_server", "serve", "serve_processes"]
@@ -331,7 +332,7 @@ def serve_processes(settings: Settings) -> int:
             metrics_port += index
         child_settings = settings.model_copy(update={"metrics_port": metrics_port})
         child = context.Process(
-            target=_run_child, args=(child_settings,), name=f"riskserve-{index}"
+            target=_run_child, args=(child_settings, os.getpid()), name=f"riskserve-{index}"
         )
         child.start()
         children.append(child)
@@ -339,7 +340,10 @@ def serve_processes(settings: Settings) -> int:
     def forward(signum: int, frame: object) -> None:
         for child in children:
             if child.pid is not None and child.is_alive():
-                os.kill(child.pid, signum)
+                # One that ended since is passed by: raised here, the error ended this
+                # process, which then waited at exit for the children it had not told.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.pid, signum)
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
@@ -353,7 +357,10 @@ def serve_processes(settings: Settings) -> int:
     return max((128 - code if code < 0 else code for code in codes), default=0)
 
 
-def _run_child(settings: Settings) -> None:
+def _run_child(settings: Settings, parent: int) -> None:
+    # A parent killed outright (SIGKILL, the OOM killer) would leave this child serving on the
+    # shared port for good, with no process to stop it.
+    end_with_parent(parent)
     asyncio.run(serve(settings))
 
 
@@ -379,7 +386,10 @@ async def serve(
         loop.add_signal_handler(signal.SIGHUP, running.watcher.trigger)
     loop.add_signal_handler(signal.SIGUSR1, running.roll_experiment_logs)
     if address is None:  # after the handlers: a stop sent on seeing this line drains
-        print(f"riskserve listening on {settings.host}:{running.port}", flush=True)
+        # One write of the whole line: the processes of RISKSERVE_PROCESSES share stdout, and
+        # print() writes the text and its newline apart, so two lines could run together.
+        sys.stdout.write(f"riskserve listening on {settings.host}:{running.port}\n")
+        sys.stdout.flush()
     if ready is not None:
         ready.set()
     await stop.wait()

@@ -147,6 +147,11 @@ def test_sigterm_drains_under_load(models):
     print(f"shutdown: {len(sent_before)} calls before SIGTERM")
 
 
+def _listening(output: list[str]) -> int:
+    """How many processes said they listen, each in a line of its own."""
+    return sum(line.startswith("riskserve listening on ") for line in output)
+
+
 def test_a_worker_killed_by_a_signal_makes_the_service_exit_with_it(models):
     """`RISKSERVE_PROCESSES` without the front: a worker ended by a signal (the OOM killer, a
     crash) is no clean stop, and the service's exit status says so as a shell would (128 + 9)."""
@@ -159,9 +164,30 @@ def test_a_worker_killed_by_a_signal_makes_the_service_exit_with_it(models):
     with server_process(
         models, output=output, RISKSERVE_PROCESSES="2", RISKSERVE_FRONT="none", RISKSERVE_PORT=port
     ) as (proc, _):
-        wait_until(lambda: sum("riskserve listening on" in line for line in output) == 2, 120)
+        wait_until(lambda: _listening(output) == 2, 120)
         killed, _ = psutil.Process(proc.pid).children()
         killed.send_signal(signal.SIGKILL)
         killed.wait(30)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 128 + signal.SIGKILL
+
+
+def test_workers_end_when_the_service_is_killed_outright(models):
+    """`RISKSERVE_PROCESSES` without the front: the service killed with SIGKILL (nothing it can
+    forward) takes its workers with it, as the kernel tells each its parent ended; they kept
+    serving on the shared port."""
+    import psutil
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    output: list[str] = []
+    with server_process(
+        models, output=output, RISKSERVE_PROCESSES="2", RISKSERVE_FRONT="none", RISKSERVE_PORT=port
+    ) as (proc, _):
+        wait_until(lambda: _listening(output) == 2, 120)
+        workers = psutil.Process(proc.pid).children()
+        proc.kill()
+        proc.wait(30)
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert alive == [] and len(gone) == 2
