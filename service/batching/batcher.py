@@ -173,7 +173,12 @@ class EngineTimeModel:
         return float(rows * max(history_length, 1))
 
     def observe(self, x: float, seconds: float) -> None:
-        """One run of `seconds` for a batch of `x` cells."""
+        """One run of `seconds` for a batch of `x` cells. A run far longer than the fit expects
+        (a call the watchdog gave up on after a second, a stall) counts as `OUTLIER_FACTOR`
+        times the estimate: taken whole, one such run raised every estimate past the default
+        budget, and a batcher that refuses every request runs no batch to learn it was wrong."""
+        if self._sw > 0.0:
+            seconds = min(seconds, OUTLIER_FACTOR * max(self.estimate_s(x), 1e-6))
         f = self._forget
         self._sw = f * self._sw + 1.0
         self._sx = f * self._sx + x
@@ -191,8 +196,17 @@ class EngineTimeModel:
         if var_x <= 1e-12 * max(mean_x * mean_x, 1.0):
             return mean_y * (x / mean_x if mean_x > 0 else 1.0)
         slope = max((self._sxy / self._sw - mean_x * mean_y) / var_x, 0.0)
-        intercept = max(mean_y - slope * mean_x, 0.0)
+        intercept = mean_y - slope * mean_x
+        if intercept < 0.0:
+            # No negative fixed cost: the line through the mean run from the origin. Clamping
+            # the intercept alone kept a slope that one odd run among runs of one size set
+            # (500 runs of 1 ms at 16 cells and one of 3 ms at 17 gave 32 ms at 16).
+            return mean_y * x / mean_x
         return intercept + slope * x
+
+
+# The most, as a multiple of its estimate, that one engine run counts for in the time model.
+OUTLIER_FACTOR = 10.0
 
 
 @dataclass(order=True, slots=True)

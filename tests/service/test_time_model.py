@@ -1,0 +1,59 @@
+"""The batcher's engine-time model: odd runs move its estimates, never past what admits every
+request of the default budget when the engine is back to its usual pace. A batcher that
+refuses every request by its estimate runs no batch to learn the estimate was wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from service.batching.batcher import EngineTimeModel, MicroBatcher, Scored
+from service.batching.budget import Budget
+from service.batching.rows import RowBatch
+
+
+def test_one_odd_size_among_runs_of_one_size_leaves_the_estimate_at_the_mean():
+    model = EngineTimeModel()
+    for _ in range(500):
+        model.observe(16.0, 0.001)
+    model.observe(17.0, 0.003)  # one run of another size, slower
+    assert model.estimate_s(16.0) == pytest.approx(0.001, rel=0.1)
+    assert 0.0 < model.estimate_s(1.0) < model.estimate_s(16.0) < model.estimate_s(64.0)
+
+
+def test_a_batcher_admits_again_after_one_run_that_hung():
+    """One engine call that ran for a second (the watchdog's limit) among 1 ms ones: requests
+    with a 10 ms budget are still admitted afterwards, and answered."""
+    slow = {"s": 0.0}
+
+    def run(rows: RowBatch) -> Scored:
+        started = time.perf_counter()
+        time.sleep(0.001 + slow["s"])
+        return Scored(np.zeros(rows.rows, np.float32), "e", "", time.perf_counter() - started)
+
+    async def scenario() -> int:
+        batcher = MicroBatcher(
+            run, max_batch_rows=16, max_queue_rows=64, workers=1, inline_max_s=0.0
+        )
+        batcher.start()
+        budget = Budget(0.010)
+
+        def row() -> RowBatch:
+            return RowBatch(np.zeros((1, 4), np.float32), None, None)
+
+        for _ in range(100):
+            await batcher.submit(row(), budget.deadline(None))
+        slow["s"] = 1.0
+        await batcher.submit(row(), budget.deadline(5.0))  # a caller with 5 s to spare
+        slow["s"] = 0.0
+        answered = 0
+        for _ in range(50):
+            await batcher.submit(row(), budget.deadline(None))  # raises where refused
+            answered += 1
+        await batcher.close(1.0)
+        return answered
+
+    assert asyncio.run(scenario()) == 50
