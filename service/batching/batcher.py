@@ -225,6 +225,9 @@ class _Job:
     gathers: bool = field(compare=False, default=True)
     # The requests its rows answer (stream messages queued as one job).
     requests: int = field(compare=False, default=1)
+    # Whether its rows count in the queue's rows: from its push until its pop, or until its
+    # caller goes away (cancelled), which leaves it in the heap for a take to pass by.
+    counted: bool = field(compare=False, default=False)
 
     @property
     def cells(self) -> float:
@@ -476,9 +479,16 @@ class MicroBatcher:
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
         heapq.heappush(self._heap, job)
         self._queued_rows += rows
+        job.counted = True
         self._submitted += requests
         self._kick()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # The caller went away (its deadline, a hang-up): its rows no longer fill the
+            # queue, which would refuse others as full while nothing live waits in it.
+            self._uncount(job)
+            raise
 
     def _estimate_wait_s(self, cells: float, length: int) -> float:
         """Time until a job of `cells` would be done: a worker to free up, the queue ahead, its
@@ -509,8 +519,13 @@ class MicroBatcher:
 
     def _pop(self) -> _Job:
         job = heapq.heappop(self._heap)
-        self._queued_rows -= job.rows
+        self._uncount(job)
         return job
+
+    def _uncount(self, job: _Job) -> None:
+        if job.counted:
+            job.counted = False
+            self._queued_rows -= job.rows
 
     def _take(self) -> list[_Job]:
         """The jobs of the next batch, earliest deadline first, none of them made late.
@@ -566,6 +581,7 @@ class MicroBatcher:
         for job in deferred:
             heapq.heappush(self._heap, job)
             self._queued_rows += job.rows
+            job.counted = True
         return taken
 
     @staticmethod

@@ -463,3 +463,38 @@ def test_a_close_that_fails_queued_jobs_leaves_the_queue_counted_empty():
     queued, outcomes = asyncio.run(scenario())
     assert queued == 0
     assert sum(isinstance(o, Unavailable) for o in outcomes) >= 2
+
+
+def test_requests_whose_callers_went_away_no_longer_fill_the_queue():
+    """Callers that give up (a deadline, a hang-up) while the engine is busy: their rows leave
+    the queue's count at once, so a new request is queued, not refused as if it were full."""
+    gate, busy = threading.Event(), threading.Event()
+
+    def run(rows: RowBatch) -> Scored:
+        busy.set()
+        gate.wait(30)
+        return Scored(np.zeros(rows.rows, np.float32), "e", "", 0.001)
+
+    def row() -> RowBatch:
+        return RowBatch(np.zeros((1, 4), np.float32), None, None)
+
+    async def scenario() -> int:
+        batcher = MicroBatcher(run, max_batch_rows=8, max_queue_rows=8, workers=1, inline_max_s=0.0)
+        batcher.start()
+        far = time.monotonic() + 60
+        running = asyncio.create_task(batcher.submit(row(), far))  # holds the one worker
+        await until(busy.is_set)
+        gone = [asyncio.create_task(batcher.submit(row(), far)) for _ in range(8)]
+        await until(lambda: batcher.queued_rows == 8)
+        for caller in gone:
+            caller.cancel()
+        await asyncio.gather(*gone, return_exceptions=True)
+        left = batcher.queued_rows
+        admitted = asyncio.create_task(batcher.submit(row(), far))  # refused at once if full
+        await until(lambda: batcher.queued_rows == 1 or admitted.done())
+        gate.set()
+        await asyncio.gather(running, admitted)  # both scored
+        await batcher.close(1.0)
+        return left
+
+    assert asyncio.run(scenario()) == 0
