@@ -179,7 +179,13 @@ async def score_explained(
             or manifest.thresholds.decide(score) not in ADVERSE_DECISIONS
         ):
             return scored, ()
-        _, scores = await _score_blocks(submit, explainer, rows, deadline)
+        block, scores = await _score_blocks(submit, explainer, rows, deadline)
+        if block.degraded:
+            # The decision asked for its reasons and they came too late: it is not given
+            # without them. The block's answer is the fallback decision, marked degraded.
+            return dataclasses.replace(
+                block, scores=block.scores[:1], row_engines=block.row_engines[:1]
+            ), ()
         return scored, explainer.reasons(scores, top_k)
     first, scores = await _score_blocks(submit, explainer, rows, deadline)
     own = dataclasses.replace(first, scores=first.scores[:1], row_engines=first.row_engines[:1])

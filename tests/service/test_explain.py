@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import numpy as np
 import pytest
 
 from engines.manifest import Manifest
+from riskscoring.v1 import risk_scoring_pb2 as pb
+from service.batching.batcher import Scored
 from service.batching.rows import RowBatch
-from service.explanations.occlusion import Explainer, Reason, compare_top_reasons, log_codes
+from service.explanations.occlusion import (
+    Explainer,
+    Reason,
+    compare_top_reasons,
+    log_codes,
+    score_explained,
+)
 
 MANIFEST = Manifest.model_validate(
     {
@@ -104,3 +115,25 @@ def test_log_codes_and_top_reason_disagreement():
     assert compare_top_reasons([[]], [["R1"]]).share is None
     with pytest.raises(ValueError, match="2 champion records, 1 challenger"):
         compare_top_reasons([["R1"], ["R2"]], [["R1"]])
+
+
+def test_an_adverse_decision_whose_reasons_come_too_late_is_the_degraded_answer():
+    """EXPLAIN_ADVERSE: the row is scored in time (REVIEW), then its block is degraded by the
+    batcher (RISKSERVE_DEGRADE_ON_DEADLINE). The REVIEW is not answered without its reasons:
+    the answer is the degraded one, as the row's own would have been."""
+    calls: list[int] = []
+
+    async def submit(rows: RowBatch | tuple[RowBatch, ...], deadline: float) -> Scored:
+        parts = (rows,) if isinstance(rows, RowBatch) else rows
+        n = sum(p.rows for p in parts)
+        calls.append(n)
+        if len(calls) == 1:
+            return Scored(np.full(n, 0.7, np.float32), "e", "", 0.001)  # REVIEW
+        return Scored(np.full(n, np.nan, np.float32), "", "deadline", 0.0, degraded=True)
+
+    request = pb.ScoreRequest(explain_top_k=2, explain_when=pb.EXPLAIN_ADVERSE)
+    scored, reasons = asyncio.run(
+        score_explained(submit, MANIFEST, request, _row(), time.monotonic() + 1, "adverse")
+    )
+    assert len(calls) == 2 and calls[1] > 1  # the row, then its block
+    assert scored.degraded and len(scored.scores) == 1 and reasons == ()
