@@ -170,6 +170,9 @@ class ReasonCode(_Frozen):
     history: bool
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def _reason_codes(manifest: Manifest) -> tuple[ReasonCode, ...]:
     """Check the explanations against the features and group them by code, sorted by code."""
     spec = manifest.explanations
@@ -186,10 +189,12 @@ def _reason_codes(manifest: Manifest) -> tuple[ReasonCode, ...]:
         entry = spec.features.get(name)
         if entry is None:
             continue
-        if entry.baseline is not None and not np.isfinite(entry.baseline):
+        # As the occlusion rows hold it, in float32: 1e39 is finite only in float64.
+        if entry.baseline is not None and not abs(entry.baseline) <= _FLOAT32_MAX:
             # Every occlusion would score NaN, and every request would get no reasons.
             raise ValueError(
                 f"explanations.features[{name!r}].baseline: {entry.baseline} is not a finite number"
+                " in float32"
             )
         if entry.code is None:
             if entry.text is not None:

@@ -60,7 +60,7 @@ def test_bad_explanations_are_refused_at_load(explanations, history, message):
     assert message in str(caught.value)
 
 
-@pytest.mark.parametrize("baseline", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("baseline", [float("nan"), float("inf"), float("-inf"), 1e39, -1e39])
 @pytest.mark.parametrize("coded", [True, False])
 def test_a_baseline_that_is_not_a_finite_number_is_refused_naming_it(tmp_path, baseline, coded):
     """Occluding with it would score NaN: every explained request would get no reasons, the
