@@ -5,10 +5,12 @@ refuses every request by its estimate runs no batch to learn the estimate was wr
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import numpy as np
 import pytest
+from waiting import until
 
 from service.batching.batcher import EngineTimeModel, MicroBatcher, Scored
 from service.batching.budget import Budget
@@ -57,3 +59,46 @@ def test_a_batcher_admits_again_after_one_run_that_hung():
         return answered
 
     assert asyncio.run(scenario()) == 50
+
+
+def test_the_queue_ahead_of_a_request_is_costed_at_its_own_history_lengths():
+    """60 one-row requests of a one-row history queued: about 7 ms of engine time by the model.
+    A request with a 200-row history and 0.2 s of room is admitted; priced at its length, the
+    queue ahead came to 1.2 s and it was refused."""
+    a, b = 0.001, 0.0001  # engine seconds = a + b * cells, as the model below was taught
+    model = EngineTimeModel()
+    for _ in range(20):
+        for cells in (1, 10, 100, 1000):
+            model.observe(cells, a + b * cells)
+    gate, busy = threading.Event(), threading.Event()
+
+    def run(rows: RowBatch) -> Scored:
+        busy.set()
+        gate.wait(30)
+        cells = rows.rows * max(rows.history_length, 1)
+        return Scored(np.zeros(rows.rows, np.float32), "e", "", a + b * cells)
+
+    def row(length: int) -> RowBatch:
+        history = np.zeros((1, length, 3), np.float32)
+        return RowBatch(np.zeros((1, 4), np.float32), history, np.ones((1, length), np.float32))
+
+    async def scenario() -> Scored:
+        batcher = MicroBatcher(
+            run, max_batch_rows=64, max_queue_rows=1000, workers=1, inline_max_s=0.0,
+            time_model=model,
+        )  # fmt: skip
+        batcher.start()
+        far = time.monotonic() + 60
+        first = asyncio.create_task(batcher.submit(row(1), far))  # holds the engine
+        await until(busy.is_set)
+        queued = [asyncio.create_task(batcher.submit(row(1), far)) for _ in range(60)]
+        await until(lambda: batcher.queued_rows == 60)
+        long = asyncio.create_task(batcher.submit(row(200), time.monotonic() + 0.2))
+        await until(lambda: batcher.queued_rows == 61 or long.done())
+        gate.set()
+        await asyncio.gather(first, *queued)
+        scored = await long  # raises DeadlineMissed where it was refused
+        await batcher.close(1.0)
+        return scored
+
+    assert len(asyncio.run(scenario()).scores) == 1
