@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from liveserver import server_process
@@ -147,16 +151,9 @@ def test_sigterm_drains_under_load(models):
     print(f"shutdown: {len(sent_before)} calls before SIGTERM")
 
 
-def _listening(output: list[str]) -> int:
-    """How many processes said they listen, each in a line of its own."""
-    return sum(line.startswith("riskserve listening on ") for line in output)
-
-
-def test_a_worker_killed_by_a_signal_makes_the_service_exit_with_it(models):
-    """`RISKSERVE_PROCESSES` without the front: a worker ended by a signal (the OOM killer, a
-    crash) is no clean stop, and the service's exit status says so as a shell would (128 + 9)."""
-    import psutil
-
+@contextmanager
+def _two_processes(models) -> Iterator[subprocess.Popen[str]]:
+    """`riskserve serve` with RISKSERVE_PROCESSES=2 and no front, once both listen."""
     with socket.socket() as probe:  # processes share one port, which must be fixed
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
@@ -164,7 +161,17 @@ def test_a_worker_killed_by_a_signal_makes_the_service_exit_with_it(models):
     with server_process(
         models, output=output, RISKSERVE_PROCESSES="2", RISKSERVE_FRONT="none", RISKSERVE_PORT=port
     ) as (proc, _):
-        wait_until(lambda: _listening(output) == 2, 120)
+        # Each says so in a line of its own.
+        wait_until(
+            lambda: sum(line.startswith("riskserve listening on ") for line in output) == 2, 120
+        )
+        yield proc
+
+
+def test_a_worker_killed_by_a_signal_makes_the_service_exit_with_it(models):
+    """`RISKSERVE_PROCESSES` without the front: a worker ended by a signal (the OOM killer, a
+    crash) is no clean stop, and the service's exit status says so as a shell would (128 + 9)."""
+    with _two_processes(models) as proc:
         killed, _ = psutil.Process(proc.pid).children()
         killed.send_signal(signal.SIGKILL)
         killed.wait(30)
@@ -176,16 +183,7 @@ def test_workers_end_when_the_service_is_killed_outright(models):
     """`RISKSERVE_PROCESSES` without the front: the service killed with SIGKILL (nothing it can
     forward) takes its workers with it, as the kernel tells each its parent ended; they kept
     serving on the shared port."""
-    import psutil
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = str(probe.getsockname()[1])
-    output: list[str] = []
-    with server_process(
-        models, output=output, RISKSERVE_PROCESSES="2", RISKSERVE_FRONT="none", RISKSERVE_PORT=port
-    ) as (proc, _):
-        wait_until(lambda: _listening(output) == 2, 120)
+    with _two_processes(models) as proc:
         workers = psutil.Process(proc.pid).children()
         proc.kill()
         proc.wait(30)
