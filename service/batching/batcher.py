@@ -207,6 +207,8 @@ class EngineTimeModel:
 
 # The most, as a multiple of its estimate, that one engine run counts for in the time model.
 OUTLIER_FACTOR = 10.0
+# Up to this many queued jobs, admission counts only those due before a new request as ahead.
+_EXACT_AHEAD_JOBS = 64
 
 
 @dataclass(order=True, slots=True)
@@ -473,7 +475,7 @@ class MicroBatcher:
             ARRIVES_ALONE.get(),
             requests,
         )
-        if now + self._estimate_wait_s(job.cells) > deadline:
+        if now + self._estimate_wait_s(job.cells, deadline) > deadline:
             self._shed("deadline")
             if self._degrade:
                 return self._degraded(job, now)
@@ -490,9 +492,9 @@ class MicroBatcher:
             self._uncount(job)
             raise
 
-    def _estimate_wait_s(self, cells: float) -> float:
-        """Time until a job of `cells` would be done: a worker to free up, the queue ahead, its
-        own run."""
+    def _estimate_wait_s(self, cells: float, deadline: float) -> float:
+        """Time until a job of `cells` due by `deadline` would be done: a worker to free up,
+        the queue ahead of it, its own run."""
         model = self.time_model
         own = model.estimate_s(cells)
         if len(self._running) < self._workers_n and not self._heap:
@@ -505,11 +507,25 @@ class MicroBatcher:
         # The queue in batches of the most rows, each job at its own history length (priced at
         # this one's, 60 one-row jobs of 1 cell were 1.2 s of work ahead of a 200-row history).
         # The fit is a line, so those batches take what that many batches of their mean take.
+        rows, queued_cells = self._ahead(deadline)
         ahead = 0.0
-        if self._queued_rows:
-            batches = -(-self._queued_rows // self.max_batch_rows)
-            ahead = batches * model.estimate_s(max(self._queued_cells, 0.0) / batches)
+        if rows:
+            batches = -(-rows // self.max_batch_rows)
+            ahead = batches * model.estimate_s(max(queued_cells, 0.0) / batches)
         return free_in + ahead / self._workers_n + own
+
+    def _ahead(self, deadline: float) -> tuple[int, float]:
+        """The queued rows and cells a job due by `deadline` would wait for: in a short queue,
+        those due no later (the queue is taken earliest deadline first); in a long one, all
+        of it, rather than a pass over every job for each request."""
+        if len(self._heap) > _EXACT_AHEAD_JOBS:
+            return self._queued_rows, self._queued_cells
+        rows, cells = 0, 0.0
+        for job in self._heap:
+            if job.counted and job.deadline <= deadline:
+                rows += job.rows
+                cells += job.cells
+        return rows, cells
 
     def _shed(self, reason: str) -> None:
         if self._telemetry is not None:

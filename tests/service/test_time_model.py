@@ -102,3 +102,43 @@ def test_the_queue_ahead_of_a_request_is_costed_at_its_own_history_lengths():
         return scored
 
     assert len(asyncio.run(scenario()).scores) == 1
+
+
+def test_a_request_due_before_the_queue_is_not_made_to_wait_for_it():
+    """The queue is taken earliest deadline first: 60 queued rows due in a minute are no work
+    ahead of a request due in 5 ms, which is queued, where it was refused."""
+    a, b = 0.001, 0.0001
+    model = EngineTimeModel()
+    for _ in range(20):
+        for cells in (1, 10, 100, 1000):
+            model.observe(cells, a + b * cells)
+    gate, busy = threading.Event(), threading.Event()
+
+    def run(rows: RowBatch) -> Scored:
+        busy.set()
+        gate.wait(30)
+        return Scored(np.zeros(rows.rows, np.float32), "e", "", a + b * rows.rows)
+
+    def row() -> RowBatch:
+        return RowBatch(np.zeros((1, 4), np.float32), None, None)
+
+    async def scenario() -> int:
+        batcher = MicroBatcher(
+            run, max_batch_rows=64, max_queue_rows=1000, workers=1, inline_max_s=0.0,
+            time_model=model,
+        )  # fmt: skip
+        batcher.start()
+        far = time.monotonic() + 60
+        first = asyncio.create_task(batcher.submit(row(), far))  # holds the engine
+        await until(busy.is_set)
+        queued = [asyncio.create_task(batcher.submit(row(), far)) for _ in range(60)]
+        await until(lambda: batcher.queued_rows == 60)
+        urgent = asyncio.create_task(batcher.submit(row(), time.monotonic() + 0.005))
+        await until(lambda: batcher.queued_rows == 61 or urgent.done())
+        admitted = batcher.queued_rows
+        gate.set()
+        await asyncio.gather(first, *queued, urgent, return_exceptions=True)
+        await batcher.close(1.0)
+        return admitted
+
+    assert asyncio.run(scenario()) == 61
