@@ -16,12 +16,13 @@ import grpc
 from service.api.admission import SCORING_METHODS, Admission, refuse
 from service.api.registration import Malformed
 from service.batching.batcher import Scored
-from service.errors import DeadlineMissed, InvalidRequest, ServiceError, status_for
+from service.errors import DeadlineMissed, InvalidRequest, Overloaded, ServiceError, status_for
 from service.telemetry import RequestTrace, Telemetry, current_request_trace, current_trace_id
-from service.telemetry.tracing import DECISION_DROPPED
+from service.telemetry.tracing import DECISION_DROPPED, Attributes
 
 __all__ = [
     "after_reply",
+    "count_refused_message",
     "note_model",
     "note_scored",
     "note_validated",
@@ -153,8 +154,11 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
     async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext) -> Resp:
         telemetry: Telemetry | None = getattr(self, "telemetry", None)
         admission: Admission | None = getattr(self, "admission", None) if bounded else None
-        if admission is not None and admission.active >= admission.limit:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refuse(telemetry, admission))
+        # Refused inside the trace and the count, as any other failed call: its error trace
+        # is kept and it is in riskserve_requests_total, where it was only in the shed count.
+        full = admission if admission is not None and admission.active >= admission.limit else None
+        if full is not None:
+            admission = None  # not held: nothing to give back
         tracing = telemetry.tracing if telemetry is not None else None
         started = time.perf_counter()
         call = _CallLabels()
@@ -172,6 +176,8 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         if admission is not None:
             admission.active += 1
         try:
+            if full is not None:
+                raise Overloaded(refuse(telemetry, full))
             if isinstance(request, Malformed):
                 raise InvalidRequest("request", f"is not a valid {request.type_name} message")
             if bounded:
@@ -226,6 +232,34 @@ def _labels(telemetry: Telemetry, call: _CallLabels) -> tuple[str, str]:
     if call.engine:
         return call.model, call.version
     return telemetry.metrics.loaded_labels(call.model, call.version)
+
+
+def count_refused_message(
+    telemetry: Telemetry,
+    service: str,
+    method: str,
+    metadata: Any,
+    received_ns: int,
+    code: grpc.StatusCode,
+    model: tuple[str, str] = ("", ""),
+) -> None:
+    """A stream message answered `code` without reaching the RPC boundary: traced (its error
+    trace kept, as the boundary keeps a failed call's) and counted in riskserve_requests_total
+    under `model` (name, version) where it is loaded, else `unknown`."""
+    kept = None
+    tracing = telemetry.tracing
+    if tracing is not None:
+        attributes: Attributes = {
+            "rpc.system": "grpc",
+            "rpc.service": service,
+            "rpc.method": method,
+        }
+        trace = tracing.start_request(f"{service}/{method}", attributes, metadata, received_ns)
+        if tracing.end_request(trace, code.value[0], code.name, after_reply) != DECISION_DROPPED:
+            kept = trace.context
+    name, version = telemetry.metrics.loaded_labels(*model)
+    duration_s = (time.monotonic_ns() - received_ns) / 1e9
+    telemetry.metrics.observe_request(name, version, "", code.name, duration_s, kept, method)
 
 
 def after_reply(callback: Callable[..., object], *args: Any) -> None:

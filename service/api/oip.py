@@ -21,6 +21,7 @@ from inference import grpc_service_pb2_grpc as oip_grpc
 from inference import model_config_pb2 as mc
 from service.api.boundary import (
     after_reply,
+    count_refused_message,
     note_model,
     note_scored,
     note_validated,
@@ -363,13 +364,15 @@ def _refused(telemetry: Telemetry | None, arrival: Arrival, exc: ServiceError) -
     arrival.fail(code, str(exc))
     if telemetry is not None:
         request: oip.ModelInferRequest = arrival.request
-        name, version = telemetry.metrics.loaded_labels(request.model_name, request.model_version)
-        tracing = telemetry.tracing
-        trace = _message_trace(tracing, arrival) if tracing is not None else None
-        kept = _ended(tracing, trace, code)
-        duration_s = (time.monotonic_ns() - arrival.received_ns) / 1e9
-        telemetry.metrics.observe_request(
-            name, version, "", code.name, duration_s, kept, _STREAM_METHOD
+        model = (request.model_name, request.model_version)
+        count_refused_message(
+            telemetry,
+            InferenceServicer.SERVICE_NAME,
+            _STREAM_METHOD,
+            arrival.metadata,
+            arrival.received_ns,
+            code,
+            model,
         )
 
 

@@ -32,7 +32,7 @@ from typing import Any, Generic, TypeVar, cast
 
 import grpc
 
-from service.api.boundary import rpc_boundary
+from service.api.boundary import count_refused_message, rpc_boundary
 from service.api.registration import Malformed
 from service.batching.batcher import ARRIVES_ALONE
 from service.batching.budget import Budget
@@ -387,14 +387,7 @@ class _Stream(Generic[Req, Resp]):
             async for request in self._requests:
                 self._unwritten += 1
                 if len(self._scoring) + self._batched >= limit:
-                    self._answer(
-                        self._error_reply(
-                            request,
-                            _RESOURCE_EXHAUSTED,
-                            f"more than {limit} messages in flight on this stream; "
-                            "wait for answers before sending more",
-                        )
-                    )
+                    self._refuse(request, limit)
                 elif per_batch is not None and not isinstance(request, Malformed):
                     self._batched += 1
                     arrive(self._arrival(request))
@@ -433,6 +426,23 @@ class _Stream(Generic[Req, Resp]):
         remaining_s = self._deadline_for(budget_s, now) - now
         deadline = self._streams.budget.deadline(remaining_s)
         return Arrival(self, request, deadline, now_ns, (budget_s, self._call_deadline))
+
+    def _refuse(self, request: Req, limit: int) -> None:
+        """Answer a message beyond the stream's limit RESOURCE_EXHAUSTED, traced and counted
+        as a refused call is (it never reaches the RPC boundary)."""
+        received_ns = time.monotonic_ns()
+        details = (
+            f"more than {limit} messages in flight on this stream; "
+            "wait for answers before sending more"
+        )
+        self._answer(self._error_reply(request, _RESOURCE_EXHAUSTED, details))
+        telemetry = getattr(self._servicer, "telemetry", None)
+        if telemetry is not None:
+            method = self._method.per_message.__name__
+            service = self._servicer.SERVICE_NAME
+            count_refused_message(
+                telemetry, service, method, self._metadata, received_ns, _RESOURCE_EXHAUSTED
+            )
 
     def _start(self, request: Req) -> None:
         context = MessageContext(self._metadata, self._deadline(request, time.monotonic()))
