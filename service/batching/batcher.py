@@ -453,7 +453,7 @@ class MicroBatcher:
         if self._closing:
             raise Unavailable("server is shutting down")
         if self._queued_rows + rows > self.max_queue_rows and self._queued_rows > 0:
-            self._shed("queue_full")
+            self._shed("queue_full", requests)
             raise Overloaded(
                 f"queue holds {self._queued_rows} rows, limit {self.max_queue_rows}; retry later"
             )
@@ -476,7 +476,7 @@ class MicroBatcher:
             requests,
         )
         if now + self._estimate_wait_s(job.cells, deadline) > deadline:
-            self._shed("deadline")
+            self._shed("deadline", requests)
             if self._degrade:
                 return self._degraded(job, now)
             raise DeadlineMissed("the request cannot be scored within its deadline at this load")
@@ -527,9 +527,9 @@ class MicroBatcher:
                 cells += job.cells
         return rows, cells
 
-    def _shed(self, reason: str) -> None:
+    def _shed(self, reason: str, requests: int) -> None:
         if self._telemetry is not None:
-            self._telemetry.metrics.count_shed(self._model, reason)
+            self._telemetry.metrics.count_shed(self._model, reason, requests)
 
     def _fail(self, job: _Job, exc: ServiceError) -> None:
         if not job.future.done():
@@ -575,7 +575,7 @@ class MicroBatcher:
             job_rows, job_length = job.rows, job.history_length
             if now + model.estimate_s(job.cells) > job.deadline:
                 self._pop()
-                self._shed("deadline")
+                self._shed("deadline", job.requests)
                 if self._degrade:
                     job.future.set_result(self._degraded(job, now))
                 else:

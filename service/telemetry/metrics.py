@@ -127,7 +127,7 @@ class Metrics:
             ENGINE_DURATION, unit="s", description="Engine time of one executed batch."
         )
         self._batch_size = meter.create_histogram(
-            BATCH_SIZE, unit="{request}", description="Requests per executed batch."
+            BATCH_SIZE, unit="{row}", description="Rows per executed batch."
         )
         self._counts_lock = threading.Lock()
         self._request_counts: dict[tuple[str, str, str, str, str], int] = {}
@@ -144,8 +144,8 @@ class Metrics:
         meter.create_observable_counter(
             "riskserve.fallbacks",
             callbacks=[self._observe_fallbacks],
-            unit="{request}",
-            description="Engine fallbacks by reason.",
+            unit="{batch}",
+            description="Executed batches that fell back, wholly or in part, by reason.",
         )
         meter.create_observable_counter(
             "riskserve.shed",
@@ -265,11 +265,12 @@ class Metrics:
             key = (model, reason)
             self._fallback_counts[key] = self._fallback_counts.get(key, 0) + 1
 
-    def count_shed(self, model: str, reason: str) -> None:
-        """`reason`: one of SHED_REASONS."""
+    def count_shed(self, model: str, reason: str, requests: int = 1) -> None:
+        """`requests` refused for `reason`, one of SHED_REASONS (stream messages queued as one
+        job are refused together, and each counts)."""
         with self._counts_lock:
             key = (model, reason)
-            self._shed_counts[key] = self._shed_counts.get(key, 0) + 1
+            self._shed_counts[key] = self._shed_counts.get(key, 0) + requests
 
     def count_shadow_drop(self, model: str, copies: int = 1) -> None:
         """`copies` shadow copies of `model`'s requests were dropped."""

@@ -13,6 +13,7 @@ import pytest
 from fakes import expected_score, fake_factory
 from liveserver import LiveServer
 from modelkit import write_sequence_model
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from waiting import until
 
 from inference import grpc_service_pb2 as oip
@@ -21,7 +22,9 @@ from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
 from service.batching.batcher import MicroBatcher, Scored
 from service.batching.rows import RowBatch
-from service.errors import Unavailable
+from service.config import Settings
+from service.errors import DeadlineMissed, Unavailable
+from service.telemetry import setup_telemetry
 
 
 @pytest.fixture(scope="module")
@@ -498,3 +501,41 @@ def test_requests_whose_callers_went_away_no_longer_fill_the_queue():
         return left
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_requests_refused_together_are_each_counted_as_shed():
+    """Stream messages queued as one job (`requests`) and refused together: each is a request
+    in riskserve_shed_total, as each is in riskserve_requests_total."""
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry(
+        Settings(metrics_port=None, trace_file=None, stats_interval_s=0), metric_readers=[reader]
+    )
+
+    def run(rows: RowBatch) -> Scored:
+        return Scored(np.zeros(rows.rows, np.float32), "e", "", 0.05)
+
+    async def scenario() -> None:
+        batcher = MicroBatcher(
+            run, max_batch_rows=16, max_queue_rows=64, workers=1, telemetry=telemetry
+        )
+        batcher.start()
+        rows = RowBatch(np.zeros((5, 4), np.float32), None, None)
+        await batcher.submit(rows, time.monotonic() + 10, requests=5)  # teaches 50 ms a run
+        with pytest.raises(DeadlineMissed):
+            await batcher.submit(rows, time.monotonic() + 0.001, requests=5)
+        await batcher.close(1.0)
+
+    try:
+        asyncio.run(scenario())
+        shed = [
+            point.value
+            for resource in reader.get_metrics_data().resource_metrics
+            for scope in resource.scope_metrics
+            for metric in scope.metrics
+            if metric.name == "riskserve.shed"
+            for point in metric.data.data_points
+            if point.attributes.get("reason") == "deadline"
+        ]
+    finally:
+        telemetry.shutdown()
+    assert sum(shed) == 5
