@@ -61,84 +61,62 @@ def test_a_batcher_admits_again_after_one_run_that_hung():
     assert asyncio.run(scenario()) == 50
 
 
-def test_the_queue_ahead_of_a_request_is_costed_at_its_own_history_lengths():
-    """60 one-row requests of a one-row history queued: about 7 ms of engine time by the model.
-    A request with a 200-row history and 0.2 s of room is admitted; priced at its length, the
-    queue ahead came to 1.2 s and it was refused."""
-    a, b = 0.001, 0.0001  # engine seconds = a + b * cells, as the model below was taught
+A_S, B_S = 0.001, 0.0001  # engine seconds = A_S + B_S * cells, as the batcher's model learnt
+
+
+def _behind_a_queue(queued: RowBatch, new: RowBatch, room_s: float) -> tuple[int, object]:
+    """One batch held on the engine, 60 `queued` jobs due in a minute behind it, then `new`
+    due in `room_s`: the rows then queued (61 where `new` was admitted) and `new`'s outcome,
+    once the engine was let go."""
     model = EngineTimeModel()
     for _ in range(20):
         for cells in (1, 10, 100, 1000):
-            model.observe(cells, a + b * cells)
+            model.observe(cells, A_S + B_S * cells)
     gate, busy = threading.Event(), threading.Event()
 
     def run(rows: RowBatch) -> Scored:
         busy.set()
         gate.wait(30)
         cells = rows.rows * max(rows.history_length, 1)
-        return Scored(np.zeros(rows.rows, np.float32), "e", "", a + b * cells)
+        return Scored(np.zeros(rows.rows, np.float32), "e", "", A_S + B_S * cells)
 
-    def row(length: int) -> RowBatch:
-        history = np.zeros((1, length, 3), np.float32)
-        return RowBatch(np.zeros((1, 4), np.float32), history, np.ones((1, length), np.float32))
-
-    async def scenario() -> Scored:
+    async def scenario() -> tuple[int, object]:
         batcher = MicroBatcher(
             run, max_batch_rows=64, max_queue_rows=1000, workers=1, inline_max_s=0.0,
             time_model=model,
         )  # fmt: skip
         batcher.start()
         far = time.monotonic() + 60
-        first = asyncio.create_task(batcher.submit(row(1), far))  # holds the engine
+        first = asyncio.create_task(batcher.submit(queued, far))  # holds the engine
         await until(busy.is_set)
-        queued = [asyncio.create_task(batcher.submit(row(1), far)) for _ in range(60)]
+        waiting = [asyncio.create_task(batcher.submit(queued, far)) for _ in range(60)]
         await until(lambda: batcher.queued_rows == 60)
-        long = asyncio.create_task(batcher.submit(row(200), time.monotonic() + 0.2))
-        await until(lambda: batcher.queued_rows == 61 or long.done())
+        last = asyncio.create_task(batcher.submit(new, time.monotonic() + room_s))
+        await until(lambda: batcher.queued_rows == 61 or last.done())
+        admitted = batcher.queued_rows
         gate.set()
-        await asyncio.gather(first, *queued)
-        scored = await long  # raises DeadlineMissed where it was refused
+        outcomes = await asyncio.gather(first, *waiting, last, return_exceptions=True)
         await batcher.close(1.0)
-        return scored
+        return admitted, outcomes[-1]
 
-    assert len(asyncio.run(scenario()).scores) == 1
+    return asyncio.run(scenario())
+
+
+def _row(length: int) -> RowBatch:
+    history = np.zeros((1, length, 3), np.float32)
+    return RowBatch(np.zeros((1, 4), np.float32), history, np.ones((1, length), np.float32))
+
+
+def test_the_queue_ahead_of_a_request_is_costed_at_its_own_history_lengths():
+    """60 one-row requests of a one-row history queued: about 7 ms of engine time by the model.
+    A request with a 200-row history and 0.2 s of room is admitted and scored; priced at its
+    length, the queue ahead came to 1.2 s and it was refused."""
+    admitted, outcome = _behind_a_queue(_row(1), _row(200), 0.2)
+    assert admitted == 61 and isinstance(outcome, Scored)
 
 
 def test_a_request_due_before_the_queue_is_not_made_to_wait_for_it():
     """The queue is taken earliest deadline first: 60 queued rows due in a minute are no work
     ahead of a request due in 5 ms, which is queued, where it was refused."""
-    a, b = 0.001, 0.0001
-    model = EngineTimeModel()
-    for _ in range(20):
-        for cells in (1, 10, 100, 1000):
-            model.observe(cells, a + b * cells)
-    gate, busy = threading.Event(), threading.Event()
-
-    def run(rows: RowBatch) -> Scored:
-        busy.set()
-        gate.wait(30)
-        return Scored(np.zeros(rows.rows, np.float32), "e", "", a + b * rows.rows)
-
-    def row() -> RowBatch:
-        return RowBatch(np.zeros((1, 4), np.float32), None, None)
-
-    async def scenario() -> int:
-        batcher = MicroBatcher(
-            run, max_batch_rows=64, max_queue_rows=1000, workers=1, inline_max_s=0.0,
-            time_model=model,
-        )  # fmt: skip
-        batcher.start()
-        far = time.monotonic() + 60
-        first = asyncio.create_task(batcher.submit(row(), far))  # holds the engine
-        await until(busy.is_set)
-        queued = [asyncio.create_task(batcher.submit(row(), far)) for _ in range(60)]
-        await until(lambda: batcher.queued_rows == 60)
-        urgent = asyncio.create_task(batcher.submit(row(), time.monotonic() + 0.005))
-        await until(lambda: batcher.queued_rows == 61 or urgent.done())
-        admitted = batcher.queued_rows
-        gate.set()
-        await asyncio.gather(first, *queued, urgent, return_exceptions=True)
-        await batcher.close(1.0)
-        return admitted
-
-    assert asyncio.run(scenario()) == 61
+    admitted, _ = _behind_a_queue(_row(1), _row(1), 0.005)
+    assert admitted == 61
