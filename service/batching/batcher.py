@@ -230,12 +230,15 @@ class _Job:
     # Whether its rows count in the queue's rows: from its push until its pop, or until its
     # caller goes away (cancelled), which leaves it in the heap for a take to pass by.
     counted: bool = field(compare=False, default=False)
+    # Its padded cells, what the time model costs it by: worked out once, as admission, the
+    # queue's counts and every take read them.
+    cells: float = field(compare=False, init=False, default=0.0)
 
-    @property
-    def cells(self) -> float:
+    def __post_init__(self) -> None:
         if self.shared:
-            return float(sum(p.cells for p in self.parts))
-        return EngineTimeModel.cells(self.rows, self.history_length)
+            self.cells = float(sum(p.cells for p in self.parts))
+        else:
+            self.cells = EngineTimeModel.cells(self.rows, self.history_length)
 
 
 @dataclass(slots=True)
