@@ -18,7 +18,7 @@ from service.api.registration import Malformed
 from service.batching.batcher import Scored
 from service.errors import DeadlineMissed, InvalidRequest, Overloaded, ServiceError, status_for
 from service.telemetry import RequestTrace, Telemetry, current_request_trace, current_trace_id
-from service.telemetry.tracing import DECISION_DROPPED, Attributes
+from service.telemetry.tracing import DECISION_DROPPED, Attributes, Tracing
 
 __all__ = [
     "after_reply",
@@ -27,6 +27,7 @@ __all__ = [
     "note_scored",
     "note_validated",
     "rpc_boundary",
+    "start_rpc_trace",
     "trace_scored",
 ]
 
@@ -165,11 +166,8 @@ def rpc_boundary(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
         call_token = _CALL.set(call)
         trace = trace_token = None
         if tracing is not None:
-            service = self.SERVICE_NAME
-            trace = tracing.start_request(
-                f"{service}/{method}",
-                {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method},
-                context.invocation_metadata(),
+            trace = start_rpc_trace(
+                tracing, self.SERVICE_NAME, method, context.invocation_metadata()
             )
             trace_token = tracing.activate(trace)
         status = _OK
@@ -234,6 +232,19 @@ def _labels(telemetry: Telemetry, call: _CallLabels) -> tuple[str, str]:
     return telemetry.metrics.loaded_labels(call.model, call.version)
 
 
+def start_rpc_trace(
+    tracing: Tracing,
+    service: str,
+    method: str,
+    metadata: Any,
+    arrived_ns: int | None = None,
+) -> RequestTrace:
+    """The trace of one call of `service`/`method` (or one message of a stream method), from
+    `arrived_ns` where given."""
+    attributes: Attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method}
+    return tracing.start_request(f"{service}/{method}", attributes, metadata, arrived_ns)
+
+
 def count_refused_message(
     telemetry: Telemetry,
     service: str,
@@ -249,12 +260,7 @@ def count_refused_message(
     kept = None
     tracing = telemetry.tracing
     if tracing is not None:
-        attributes: Attributes = {
-            "rpc.system": "grpc",
-            "rpc.service": service,
-            "rpc.method": method,
-        }
-        trace = tracing.start_request(f"{service}/{method}", attributes, metadata, received_ns)
+        trace = start_rpc_trace(tracing, service, method, metadata, received_ns)
         if tracing.end_request(trace, code.value[0], code.name, after_reply) != DECISION_DROPPED:
             kept = trace.context
     name, version = telemetry.metrics.loaded_labels(*model)

@@ -26,6 +26,7 @@ from service.api.boundary import (
     note_scored,
     note_validated,
     rpc_boundary,
+    start_rpc_trace,
     trace_scored,
 )
 from service.api.codec import (
@@ -277,12 +278,6 @@ def _message_budget_s(request: oip.ModelInferRequest) -> float | None:
 
 
 _STREAM_METHOD = "ModelStreamInfer"
-_STREAM_SPAN = f"{InferenceServicer.SERVICE_NAME}/{_STREAM_METHOD}"
-_STREAM_ATTRIBUTES = {
-    "rpc.system": "grpc",
-    "rpc.service": InferenceServicer.SERVICE_NAME,
-    "rpc.method": _STREAM_METHOD,
-}
 
 
 def _infer_together(servicer: InferenceServicer, arrivals: list[Arrival]) -> None:
@@ -378,8 +373,12 @@ def _refused(telemetry: Telemetry | None, arrival: Arrival, exc: ServiceError) -
 
 def _message_trace(tracing: Tracing, arrival: Arrival) -> RequestTrace:
     """A stream message's trace, from when its stream read it."""
-    return tracing.start_request(
-        _STREAM_SPAN, dict(_STREAM_ATTRIBUTES), arrival.metadata, arrival.received_ns
+    return start_rpc_trace(
+        tracing,
+        InferenceServicer.SERVICE_NAME,
+        _STREAM_METHOD,
+        arrival.metadata,
+        arrival.received_ns,
     )
 
 
