@@ -149,21 +149,27 @@ def haproxy_config(
     metrics_port: int | None = None,
     tls: FrontTLS | None = None,
     admin_socket: Path | None = None,
+    call_lanes: Sequence[str] | None = None,
 ) -> str:
     """HAProxy's configuration for a front on the settings' address over `workers` (host:port,
     or a Unix socket's absolute path); `metrics_port`: HAProxy's Prometheus endpoint;
     `admin_socket`: its runtime API, through which each worker's limit is sized
-    (`service.front_limits`)."""
+    (`service.front_limits`); `call_lanes`: each worker's call lane (a Unix socket's path,
+    `service.api.http1`), where unary calls go over HTTP/1.1 instead of to `workers`."""
     if not workers:
         raise ValueError("the front needs at least one worker address")
+    if call_lanes is not None and len(call_lanes) != len(workers):
+        raise ValueError("the front needs one call lane a worker, or none")
     # Where riskserve sizes the limits, a worker starts at the most; a fixed config holds each
     # worker to the least, what suits a worker sharing its core (docs/reliability.md).
     sizing = worker_calls(settings)
     calls = sizing.most if admin_socket is not None else sizing.least
     addresses = [f"unix@{w}" if w.startswith("/") else w for w in workers]
+    # A call lane speaks HTTP/1.1 (HAProxy's default to a server), a worker's gRPC port h2.
+    lanes = [(f"unix@{w}", "") for w in call_lanes] if call_lanes is not None else None
     limited = "\n".join(
-        f"    server worker{i} {address} proto h2 maxconn {calls} check inter 1s id {i}"
-        for i, address in enumerate(addresses, 1)
+        f"    server worker{i} {address}{proto} maxconn {calls} check inter 1s id {i}"
+        for i, (address, proto) in enumerate(lanes or [(a, " proto h2") for a in addresses], 1)
     )
     tracking = "\n".join(
         f"    server worker{i} {address} proto h2 track calls/worker{i}"
@@ -240,6 +246,7 @@ def write(
     metrics_port: int | None = None,
     tls: FrontTLS | None = None,
     admin_socket: Path | None = None,
+    call_lanes: Sequence[str] | None = None,
 ) -> Path:
     """Write haproxy.cfg and the answer to a shed call into `directory`; the config's path."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -254,6 +261,7 @@ def write(
             metrics_port=metrics_port,
             tls=tls,
             admin_socket=admin_socket,
+            call_lanes=call_lanes,
         )
     )
     return config
@@ -272,7 +280,7 @@ def front_tls(settings: Settings, directory: Path) -> FrontTLS | None:
     return FrontTLS(pem, settings.tls_client_ca_file)
 
 
-def _run_worker(settings: Settings, address: str) -> None:
+def _run_worker(settings: Settings, address: str, calls_path: str) -> None:
     import asyncio
 
     from service.server import serve
@@ -286,7 +294,7 @@ def _run_worker(settings: Settings, address: str) -> None:
     # The front decides when workers stop: a Ctrl-C in a terminal reaches it alone.
     os.setpgid(0, 0)
     end_with_parent()
-    asyncio.run(serve(settings, address=address))
+    asyncio.run(serve(settings, address=address, calls_path=calls_path))
 
 
 def _accepts(path: Path) -> bool:
@@ -341,6 +349,7 @@ class _Front:
         self.haproxy = haproxy
         self.directory = Path(tempfile.mkdtemp(prefix="riskserve-front-"))
         self.sockets = [self.directory / f"worker{i}.sock" for i in range(settings.processes)]
+        self.lanes = [self.directory / f"worker{i}.calls.sock" for i in range(settings.processes)]
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self.proxy: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
@@ -348,14 +357,14 @@ class _Front:
 
     def start_workers(self) -> None:
         context = multiprocessing.get_context("fork")  # before any gRPC state exists here
-        for index, path in enumerate(self.sockets):
+        for index, (path, lane) in enumerate(zip(self.sockets, self.lanes, strict=True)):
             metrics_port = self.settings.metrics_port
             if metrics_port:
                 metrics_port += index
             worker_settings = self.settings.model_copy(update={"metrics_port": metrics_port})
             worker = context.Process(
                 target=_run_worker,
-                args=(worker_settings, f"unix:{path}"),
+                args=(worker_settings, f"unix:{path}", str(lane)),
                 name=f"riskserve-{index}",
             )
             worker.start()
@@ -363,7 +372,7 @@ class _Front:
 
     def wait_for_workers(self) -> bool:
         """Until every worker accepts calls; False when one ended first, or on a signal."""
-        waiting = list(self.sockets)
+        waiting = [*self.sockets, *self.lanes]
         while waiting:
             if self.stopping.is_set() or self.ended_worker() is not None:
                 return False
@@ -382,6 +391,7 @@ class _Front:
             metrics_port=settings.front_metrics_port_resolved,
             tls=front_tls(settings, self.directory),
             admin_socket=self.limits.socket_path if self.limits is not None else None,
+            call_lanes=[str(path) for path in self.lanes],
         )
         self.proxy = subprocess.Popen(
             [self.haproxy, "-db", "-f", str(config)],

@@ -27,6 +27,7 @@ from riskscoring.v1 import risk_scoring_pb2 as pb
 from service.api.admission import Admission, admission_limit
 from service.api.auth import AuthInterceptor, TokenSource
 from service.api.health import DrainingHealth
+from service.api.http1 import CallLane
 from service.api.oip import InferenceServicer
 from service.api.registration import generic_handler
 from service.api.risk import RiskScoringServicer
@@ -75,6 +76,7 @@ class RiskServer:
     watcher: ModelWatcher | None = None
     certificates: CertificateFiles | None = None
     streams: MessageStreams | None = None
+    lane: CallLane | None = None
 
     def roll_experiment_logs(self) -> None:
         """SIGUSR1: publish the experiment log files now, so a report sees every record."""
@@ -94,7 +96,10 @@ class RiskServer:
             self.streams.drain()
         await self.health.enter_graceful_shutdown()
         # The server stops taking calls and waits for those in flight, which need the batchers.
-        await self.server.stop(grace_s)
+        if self.lane is None:
+            await self.server.stop(grace_s)
+        else:
+            await asyncio.gather(self.server.stop(grace_s), self.lane.close(grace_s))
         if self.experiments is not None:
             # Shadow jobs still need the challengers' batchers; the log flushes last.
             await self.experiments.close(grace_s)
@@ -158,27 +163,33 @@ def _with_watchdog(factory: EngineFactory, timeout_s: float) -> EngineFactory:
 
 
 async def build_server(
-    settings: Settings, engine_factory: EngineFactory | None = None, address: str | None = None
+    settings: Settings,
+    engine_factory: EngineFactory | None = None,
+    address: str | None = None,
+    calls_path: str | None = None,
 ) -> RiskServer:
     """Load the models, wire the servicers and start listening.
 
     `engine_factory` builds each model version's engines; the default offers validated
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     `address`, where given, is where the server listens in plaintext instead of the settings'
-    host and port: a worker's socket behind the front, which holds the TLS.
+    host and port: a worker's socket behind the front, which holds the TLS. `calls_path`, where
+    given, is the Unix socket of the worker's call lane, where the front sends unary calls over
+    HTTP/1.1 (`service.api.http1`).
     """
     telemetry = setup_telemetry(settings)
     # What a start that fails part-way has set going is stopped again, last first: in a
     # process that goes on (a test, an embedding program) its threads and ports would stay.
     async with contextlib.AsyncExitStack() as undo:
         undo.push_async_callback(asyncio.to_thread, telemetry.shutdown)
-        return await _build(settings, engine_factory, address, telemetry, undo)
+        return await _build(settings, engine_factory, address, calls_path, telemetry, undo)
 
 
 async def _build(
     settings: Settings,
     engine_factory: EngineFactory | None,
     address: str | None,
+    calls_path: str | None,
     telemetry: Telemetry,
     undo: contextlib.AsyncExitStack,
 ) -> RiskServer:
@@ -263,12 +274,11 @@ async def _build(
     admission = Admission(settings.max_requests_in_progress or admission_limit(budget))
     risk_servicer.admission = admission  # type: ignore[attr-defined]
     oip_servicer.admission = admission  # type: ignore[attr-defined]
-    server.add_generic_rpc_handlers(
-        (
-            generic_handler(risk_servicer, pb.DESCRIPTOR.services_by_name["RiskScoring"]),
-            generic_handler(oip_servicer, oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]),
-        )
+    handlers = (
+        generic_handler(risk_servicer, pb.DESCRIPTOR.services_by_name["RiskScoring"]),
+        generic_handler(oip_servicer, oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]),
     )
+    server.add_generic_rpc_handlers(handlers)
     health_servicer = DrainingHealth()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in SERVICE_NAMES:
@@ -289,6 +299,11 @@ async def _build(
         )
     await server.start()
     undo.push_async_callback(server.stop, None)
+    lane = None
+    if calls_path is not None:
+        lane = CallLane(handlers, interceptors, settings.max_message_bytes)
+        await lane.start(calls_path)
+        undo.push_async_callback(lane.close, 0.0)
     watcher = ModelWatcher(
         registry,
         settings.models_dir,
@@ -313,6 +328,7 @@ async def _build(
         watcher,
         certificates,
         streams,
+        lane,
     )
 
 
@@ -365,10 +381,14 @@ def _run_child(settings: Settings, parent: int) -> None:
 
 
 async def serve(
-    settings: Settings, ready: asyncio.Event | None = None, address: str | None = None
+    settings: Settings,
+    ready: asyncio.Event | None = None,
+    address: str | None = None,
+    calls_path: str | None = None,
 ) -> None:
-    """Run until SIGTERM or SIGINT, then drain gracefully. `address`: a worker's own socket
-    behind the front (build_server), which prints the service's address itself."""
+    """Run until SIGTERM or SIGINT, then drain gracefully. `address` and `calls_path`: a
+    worker's own sockets behind the front (build_server), which prints the service's address
+    itself."""
     if settings.switch_interval_us:
         sys.setswitchinterval(settings.switch_interval_us / 1e6)
         log.info("thread switch interval %.0f µs", sys.getswitchinterval() * 1e6)
@@ -377,7 +397,7 @@ async def serve(
         # roll waits: their default action would end the process.
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    running = await build_server(settings, address=address)
+    running = await build_server(settings, address=address, calls_path=calls_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

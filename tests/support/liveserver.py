@@ -39,8 +39,14 @@ def socket_folder(output: list[str]) -> Path:
 
 
 class LiveServer:
-    def __init__(self, engine_factory: EngineFactory | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        engine_factory: EngineFactory | None = None,
+        calls_path: Path | None = None,
+        **settings: Any,
+    ) -> None:
         self._engine_factory = engine_factory
+        self._calls_path = calls_path  # a call lane's socket (service.api.http1)
         settings.setdefault("port", 0)
         settings.setdefault("metrics_port", None)
         settings.setdefault("trace_file", None)
@@ -53,7 +59,12 @@ class LiveServer:
     def __enter__(self) -> LiveServer:
         self._thread.start()
         future = asyncio.run_coroutine_threadsafe(
-            build_server(self.settings, self._engine_factory), self._loop
+            build_server(
+                self.settings,
+                self._engine_factory,
+                calls_path=None if self._calls_path is None else str(self._calls_path),
+            ),
+            self._loop,
         )
         self.server = future.result(timeout=120)
         return self
