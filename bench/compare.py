@@ -121,7 +121,7 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
     }
     if knobs.riskserve_budget_ms is not None:
         env["RISKSERVE_BUDGET_MS"] = f"{knobs.riskserve_budget_ms:g}"
-    if name == "riskserve-nobatch":
+    if name in ("riskserve-nobatch", "riskserve-front-nobatch"):
         env["RISKSERVE_MAX_BATCH_SIZE"] = "1"
     else:
         env["RISKSERVE_MAX_BATCH_SIZE"] = str(knobs.max_batch_size)
@@ -129,7 +129,7 @@ def _riskserve_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         env["RISKSERVE_TRACING"] = "false"
     if name == "riskserve-2proc":
         env["RISKSERVE_PROCESSES"] = "2"
-    if name == "riskserve-front":  # as `make serve` and the image run it
+    if name.startswith("riskserve-front"):  # as `make serve` and the image run it
         env["RISKSERVE_FRONT"] = "haproxy"
         env["RISKSERVE_FRONT_METRICS_PORT"] = "0"
     if name.startswith("riskserve-threaded"):

@@ -41,9 +41,9 @@ def _parts(server: ServerProcess) -> tuple[psutil.Process, psutil.Process, str]:
     if len(proxies) != 1 or len(workers) != 1:
         raise RuntimeError("expected one HAProxy and one worker under the front")
     config = Path(proxies[0].cmdline()[-1]).read_text()
-    socket = re.search(r"unix@(\S+)", config)
+    socket = re.search(r"unix@(\S+) proto h2", config)  # its gRPC port, not its call lane
     if socket is None:
-        raise RuntimeError("the front's configuration names no Unix socket")
+        raise RuntimeError("the front's configuration names no gRPC Unix socket")
     return proxies[0], workers[0], socket.group(1)
 
 

@@ -1,15 +1,17 @@
 """Unary micro-batching: riskserve with batching on and off, and the bare pieces, one run.
 
 perf_analyzer (batch-1 ModelInfer requests on the demo model, closed loop) sweeps the callers
-against, in turn: ``riskserve`` (its defaults), ``riskserve-nobatch``
-(RISKSERVE_MAX_BATCH_SIZE=1) and ``grpc-floor-engine`` (the bare grpc.aio transport running the
-model on each request's rows, nothing else). Each point gives the rate, the client's p50 and
-p99, the server's CPU per request over the steady part of the point (bench.streaming's
-measure) and, for riskserve, the mean rows of the batches its engine ran meanwhile (its
-`riskserve_batch_size` histogram). The summary compares the best rate whose p99 is within
-`--p99-ms` with batching on and off, the p50 at one caller, the mean batch and the CPU per
-request at `--at` callers against the bare pieces'. The client shares the cores with the server:
-compare only figures of one run.
+against, in turn: ``riskserve-front`` (as deployed: HAProxy before one worker, unary calls on
+its call lane), ``riskserve-front-nobatch`` (the same with RISKSERVE_MAX_BATCH_SIZE=1),
+``riskserve`` and ``riskserve-nobatch`` (the lone server, no front) and ``grpc-floor-engine``
+(the bare grpc.aio transport running the model on each request's rows, nothing else). Each
+point gives the rate, the client's p50 and p99, the server's CPU per request over the steady
+part of the point (bench.streaming's measure: HAProxy's included) and, for riskserve, the mean
+rows of the batches its engine ran meanwhile (its `riskserve_batch_size` histogram). The
+summary compares, as deployed and alone, the best rate whose p99 is within `--p99-ms` with
+batching on and off, the p50 at one caller, the mean batch and the CPU per request at `--at`
+callers against the bare pieces'. The client shares the cores with the server: compare only
+figures of one run.
 
     .venv/bin/python -m bench.unary_batching
     .venv/bin/python -m bench.unary_batching --concurrency 1,16 \
@@ -37,7 +39,9 @@ from bench.streaming import (
 
 __all__ = ["main"]
 
-SERVERS = ("riskserve", "riskserve-nobatch", FLOOR_ENGINE)
+# Batching on and off: as deployed (the front, its HAProxy's CPU counted), and the lone server.
+PAIRS = (("riskserve-front", "riskserve-front-nobatch"), ("riskserve", "riskserve-nobatch"))
+SERVERS = (*(name for pair in PAIRS for name in pair), FLOOR_ENGINE)
 
 
 def _batch_rows(metrics_port: int | None) -> tuple[float, float]:
@@ -100,34 +104,40 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> None:
             f"| {p.cpu_us_per_request:,.0f} | {f'{mean:.2f}' if math.isfinite(mean) else '-'} |"
         )
     print()
-    on, off = best("riskserve"), best("riskserve-nobatch")
-    for name, b in (
-        ("riskserve", on),
-        ("riskserve-nobatch", off),
-        (FLOOR_ENGINE, best(FLOOR_ENGINE)),
-    ):
+    for name in (*(n for pair in PAIRS for n in pair), FLOOR_ENGINE):
+        b = best(name)
         if b is not None:
             print(
                 f"best rate with p99 <= {args.p99_ms:g} ms, {name}: {b.rps:,.0f} req/s "
                 f"({b.concurrency} callers)"
             )
-    if on and off:
-        ratio = on.rps / off.rps
-        print(f"batching on / off, best rate within the budget: {ratio:.2f}x (target >= 1.3)")
-    one_on, one_off = at("riskserve", 1), at("riskserve-nobatch", 1)
-    if one_on and one_off:
-        ratio = one_on.p50_ms / one_off.p50_ms
-        print(f"p50 at 1 caller, batching on / off: {ratio:.2f} (target within 1.05)")
-    many = at("riskserve", args.at)
-    if many:
-        print(f"mean batch at {args.at} callers: {_mean_batch(many):.2f} rows (target >= 3)")
     floor = at(FLOOR_ENGINE, args.at)
-    if many and floor:
-        ratio = many.cpu_us_per_request / floor.cpu_us_per_request
-        print(
-            f"server CPU per request at {args.at} callers / {FLOOR_ENGINE}'s: {ratio:.2f} "
-            "(target <= 1)"
-        )
+    for batched, unbatched in PAIRS:
+        on, off = best(batched), best(unbatched)
+        if on and off:
+            ratio = on.rps / off.rps
+            print(
+                f"{batched}: batching on / off, best rate within the budget: {ratio:.2f}x "
+                "(target >= 1.3)"
+            )
+        one_on, one_off = at(batched, 1), at(unbatched, 1)
+        if one_on and one_off:
+            ratio = one_on.p50_ms / one_off.p50_ms
+            print(
+                f"{batched}: p50 at 1 caller, batching on / off: {ratio:.2f} (target within 1.05)"
+            )
+        many = at(batched, args.at)
+        if many:
+            print(
+                f"{batched}: mean batch at {args.at} callers: {_mean_batch(many):.2f} rows "
+                "(target >= 3)"
+            )
+        if many and floor:
+            ratio = many.cpu_us_per_request / floor.cpu_us_per_request
+            print(
+                f"{batched}: server CPU per request at {args.at} callers / {FLOOR_ENGINE}'s: "
+                f"{ratio:.2f} (target <= 1)"
+            )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
