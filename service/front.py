@@ -22,6 +22,13 @@ limit and the queue. Streams go to `streams`: a stream holds its call for as lon
 so under the limit a few would starve every unary caller; the worker bounds a stream's messages
 itself. Health and readiness calls go to `control`, never queued behind scoring, so a probe
 sees SERVING while the front sheds.
+
+Where riskserve runs the workers, `calls` and `streams` reach each on its call lane, a second
+Unix socket where the worker takes unary calls and bidirectional streams over HTTP/1.1
+(`service.api.http1`): gRPC's Python transport costs a worker more CPU a call than the demo
+model's run, the lane a tenth of it. `control` reaches the worker's gRPC socket (health's Watch
+streams from the server, which the lane does not take). A configuration from `front-config`,
+for workers run some other way, sends every call to their gRPC ports.
 """
 
 from __future__ import annotations
@@ -175,6 +182,10 @@ def haproxy_config(
         f"    server worker{i} {address} proto h2 track calls/worker{i}"
         for i, address in enumerate(addresses, 1)
     )
+    streaming = "\n".join(
+        f"    server worker{i} {address}{proto} track calls/worker{i}"
+        for i, (address, proto) in enumerate(lanes or [(a, " proto h2") for a in addresses], 1)
+    )
     bind = f"{_bracketed(settings.host)}:{settings.port}"
     bind_options = tls.bind_options() if tls is not None else " proto h2"
     metrics = ""
@@ -230,7 +241,7 @@ backend calls
 
 backend streams
     balance leastconn
-{tracking}
+{streaming}
 
 backend control
     balance roundrobin

@@ -10,10 +10,18 @@ one HEADERS frame (and counts by server, `service.front`). The parser is httptoo
 C parser Node.js uses); what runs in Python a call is the servicer's own handler, behind the
 same interceptors (authentication) and the same method handlers as on the gRPC port.
 
+A bidirectional stream (ScoreStream, ModelStreamInfer) works the same way in both directions
+at once: its messages arrive as the chunks of a request body that ends when the caller
+half-closes, and its answers leave as the chunks of the response, its status in the trailers;
+HAProxy forwards both as they come. The connection closes when the stream ends.
+
 The lane listens on a Unix socket in the front's private folder and serves the front alone:
-it takes no TLS, no stream RPC and no connection from a caller directly. A request's body is
-bounded by the server's message limit, its headers by `MAX_HEADER_BYTES`; a caller that goes
-away (HAProxy closes the connection: `option abortonclose`) has its call cancelled.
+it takes no TLS, no server-streaming RPC (health's Watch stays on the gRPC port) and no
+connection from a caller directly. A message is bounded by the server's message limit, a
+call's headers by `MAX_HEADER_BYTES`; a stream stops reading while `STREAM_READ_AHEAD`
+messages wait for its handler, and its handler's writes wait while the front does not take
+them; a caller that goes away (HAProxy closes the connection: `option abortonclose`) has its
+call cancelled.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import inspect
 import logging
 import time
 import zlib
@@ -32,12 +41,14 @@ from urllib.parse import quote
 import grpc
 import httptools
 
-__all__ = ["MAX_HEADER_BYTES", "CallLane", "parse_timeout"]
+__all__ = ["MAX_HEADER_BYTES", "STREAM_READ_AHEAD", "CallLane", "parse_timeout"]
 
 log = logging.getLogger(__name__)
 
 # The most header bytes a call may carry: gRPC's own default metadata limit, doubled.
 MAX_HEADER_BYTES = 16 * 1024
+# Messages a stream reads ahead of its handler before it stops reading the connection.
+STREAM_READ_AHEAD = 64
 
 # Headers that are the transport's, not the call's metadata (gRPC leaves them out too).
 _TRANSPORT_HEADERS = frozenset(
@@ -122,6 +133,119 @@ class CallContext:
 
     def peer(self) -> str:
         return "unix:front"
+
+
+class _StreamContext(CallContext):
+    """A stream call's context: its answers written as they come (`write`)."""
+
+    __slots__ = ("_call",)
+
+    def __init__(self, call: _StreamCall, metadata: Any, deadline: float | None) -> None:
+        super().__init__(metadata, deadline)
+        self._call = call
+
+    async def send_initial_metadata(self, _metadata: Any = ()) -> None:
+        self._call.connection.send_head()
+
+    async def write(self, message: Any) -> None:
+        await self._call.connection.send_message(self._call.serialize(message))
+
+
+class _StreamCall:
+    """One stream's messages as they arrive (its request iterator) and its context."""
+
+    def __init__(self, connection: _Connection, max_message_bytes: int) -> None:
+        self.connection = connection
+        self.max_message_bytes = max_message_bytes
+        self.buffer = bytearray()
+        self.frames: deque[bytes] = deque()
+        self.ended = False
+        self.failure: tuple[grpc.StatusCode, str] | None = None  # why it stopped reading
+        self.encoding = b""
+        self.deserialize: Callable[[bytes], Any] = bytes
+        self.serialize: Callable[[Any], bytes] = bytes
+        self._waiting: asyncio.Future[None] | None = None
+
+    def feed(self, data: bytes) -> None:
+        """A chunk of the request body: the messages it completes wait for the handler."""
+        if self.ended:
+            return
+        self.buffer += data
+        while len(self.buffer) >= 5:
+            size = int.from_bytes(self.buffer[1:5], "big")
+            if size > self.max_message_bytes:
+                self._fail(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Received message larger than max ({size} vs. {self.max_message_bytes})",
+                )
+                return
+            if len(self.buffer) < 5 + size:
+                break
+            self.frames.append(bytes(self.buffer[: 5 + size]))
+            del self.buffer[: 5 + size]
+        if len(self.frames) >= STREAM_READ_AHEAD:
+            self.connection.pause_reading()
+        self._wake()
+
+    def end(self) -> None:
+        """The caller half-closed: the iterator ends once its messages are taken."""
+        if self.buffer and self.failure is None:
+            self._fail(grpc.StatusCode.INTERNAL, "the stream ended inside a message")
+        self.ended = True
+        self._wake()
+
+    def _fail(self, code: grpc.StatusCode, details: str) -> None:
+        self.failure = (code, details)
+        self.ended = True
+        self.buffer.clear()
+        self.frames.clear()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiting = self._waiting
+        if waiting is not None and not waiting.done():
+            waiting.set_result(None)
+
+    def __aiter__(self) -> _StreamCall:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self.frames:
+            if self.ended:
+                raise StopAsyncIteration
+            self._waiting = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiting
+            finally:
+                self._waiting = None
+        frame = self.frames.popleft()
+        if len(self.frames) < STREAM_READ_AHEAD // 2:
+            self.connection.resume_reading()
+        message = _inflated(frame, self.encoding, self.max_message_bytes)
+        if isinstance(message, tuple):
+            self._fail(*message)
+            raise StopAsyncIteration
+        return self.deserialize(message)
+
+
+def _inflated(frame: bytes, encoding: bytes, limit: int) -> bytes | tuple[grpc.StatusCode, str]:
+    """A length-prefixed message's bytes, inflated where compressed; or the status that
+    refuses it."""
+    if frame[0] == 0:
+        return frame[5:]
+    if frame[0] != 1 or encoding not in (b"gzip", b"deflate"):
+        kind = encoding.decode("ascii", "replace") or "none named"
+        return grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {kind} is not supported"
+    inflate = zlib.decompressobj(31 if encoding == b"gzip" else 15)
+    try:
+        message = inflate.decompress(frame[5:], limit + 1)
+    except zlib.error:
+        return grpc.StatusCode.INTERNAL, f"the {encoding.decode()} message does not inflate"
+    if len(message) > limit:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, (
+            f"Received message larger than max (over {limit} inflated)"
+        )
+    return message
 
 
 Handler = Callable[[Any, CallContext], Awaitable[Any]]
@@ -224,6 +348,12 @@ class _Connection(asyncio.Protocol):
         self._pending: deque[_Request] = deque()
         self.current: asyncio.Task[None] | None = None
         self._closing = False
+        self._stream: _StreamCall | None = None  # the stream this connection carries
+        self._head_sent = False  # a stream's response head
+        self._writable: asyncio.Future[None] | None = None  # set while writes are paused
+        self._out: list[bytes] = []  # a stream's writes of this turn of the loop
+        self._flush_scheduled = False
+        self._reading = True
 
     # asyncio.Protocol
 
@@ -235,8 +365,28 @@ class _Connection(asyncio.Protocol):
         self._lane._connections.discard(self)
         self._closing = True
         self._pending.clear()
+        self.resume_writing()
         if self.current is not None:
             self.current.cancel()  # the caller went away: its call is not answered
+
+    def pause_writing(self) -> None:
+        if self._writable is None:
+            self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        writable, self._writable = self._writable, None
+        if writable is not None and not writable.done():
+            writable.set_result(None)
+
+    def pause_reading(self) -> None:
+        if self._reading and self._transport is not None and not self._transport.is_closing():
+            self._reading = False
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self._reading and self._transport is not None and not self._transport.is_closing():
+            self._reading = True
+            self._transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -260,7 +410,20 @@ class _Connection(asyncio.Protocol):
         if request.header_bytes <= MAX_HEADER_BYTES:
             request.headers.append((name.lower(), value))
 
+    def on_headers_complete(self) -> None:
+        found = self._lane.method(self._request.path)
+        if found is None or found.stream_stream is None or self.current is not None:
+            return  # a unary call (or none): answered once its body is complete
+        self._stream = _StreamCall(self, self._lane.max_message_bytes)
+        self.current = asyncio.get_running_loop().create_task(
+            self._stream_call(self._request, self._stream)
+        )
+        self.current.add_done_callback(self._called)
+
     def on_body(self, body: bytes) -> None:
+        if self._stream is not None:
+            self._stream.feed(body)
+            return
         request = self._request
         request.body_bytes += len(body)
         if request.body_bytes <= self._lane.max_message_bytes + 5:
@@ -269,6 +432,9 @@ class _Connection(asyncio.Protocol):
             request.body.clear()  # answered RESOURCE_EXHAUSTED; its bytes are not kept
 
     def on_message_complete(self) -> None:
+        if self._stream is not None:
+            self._stream.end()
+            return
         if self._parser.get_method() != b"POST":
             self._fail_connection()
             return
@@ -327,6 +493,76 @@ class _Connection(asyncio.Protocol):
             return
         self._answer(handler.response_serializer(reply))
 
+    async def _stream_call(self, request: _Request, call: _StreamCall) -> None:
+        """One stream: its handler reads `call` and writes its answers as they come."""
+        self._closing = True  # the connection closes when the stream ends
+        metadata, deadline, call.encoding = _metadata(request)
+        if request.header_bytes > MAX_HEADER_BYTES:
+            self._status(grpc.StatusCode.RESOURCE_EXHAUSTED, "the call's metadata is too large")
+            return
+        handler = await self._lane.handler(request.path, metadata)
+        if handler is None or handler.stream_stream is None:  # an interceptor's choice
+            name = request.path.decode("ascii", "replace")
+            self._status(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {name}")
+            return
+        call.deserialize = handler.request_deserializer
+        call.serialize = handler.response_serializer
+        context = _StreamContext(call, metadata, deadline)
+        try:
+            result = handler.stream_stream(call, context)
+            if inspect.isasyncgen(result):
+                async for item in result:
+                    await context.write(item)
+            else:
+                await result
+        except grpc.aio.AbortError:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("a stream handler failed outside the RPC boundary")
+            context.set_code(grpc.StatusCode.UNKNOWN)
+            context.set_details("Unexpected error in the handler")
+        code, details = context.code(), context.details()
+        if call.failure is not None and code is grpc.StatusCode.OK:
+            code, details = call.failure
+        if not self._head_sent:
+            self._status(code, details)
+            return
+        self._out.append(b"0\r\n%s\r\n" % _status_fields(code, details))
+        self._flush()
+
+    def send_head(self) -> None:
+        """A stream's response head, once, before its first answer."""
+        if not self._head_sent:
+            self._head_sent = True
+            self._out.append(_OK_HEAD + _CLOSE + b"\r\n")
+            self._flush_soon()
+
+    async def send_message(self, payload: bytes) -> None:
+        """One of a stream's answers as a chunk; waits while the front takes no more.
+
+        The answers of one turn of the event loop leave in one write (one system call),
+        as gRPC's own transport gathers its frames."""
+        self.send_head()
+        size = len(payload) + 5
+        self._out += (b"%x\r\n\x00" % size, len(payload).to_bytes(4, "big"), payload, b"\r\n")
+        self._flush_soon()
+        if self._writable is not None:
+            await self._writable
+
+    def _flush_soon(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        out, self._out = self._out, []
+        transport = self._transport
+        if out and transport is not None and not transport.is_closing():
+            transport.write(b"".join(out))
+
     def _message(self, request: _Request, encoding: bytes) -> bytes | tuple[grpc.StatusCode, str]:
         """The call's one message, or the status that refuses it."""
         limit = self._lane.max_message_bytes
@@ -338,22 +574,7 @@ class _Connection(asyncio.Protocol):
         body = b"".join(request.body)
         if len(body) < 5 or int.from_bytes(body[1:5], "big") != len(body) - 5:
             return grpc.StatusCode.INTERNAL, "the request is not one length-prefixed message"
-        if body[0] == 0:
-            return body[5:]
-        if body[0] != 1 or encoding not in (b"gzip", b"deflate"):
-            kind = encoding.decode("ascii", "replace") or "none named"
-            return grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {kind} is not supported"
-        window = 31 if encoding == b"gzip" else 15
-        inflate = zlib.decompressobj(window)
-        try:
-            message = inflate.decompress(body[5:], limit + 1)
-        except zlib.error:
-            return grpc.StatusCode.INTERNAL, f"the {encoding.decode()} message does not inflate"
-        if len(message) > limit:
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                f"Received message larger than max (over {limit} inflated)"
-            )
-        return message
+        return _inflated(body, encoding, limit)
 
     def _answer(self, payload: bytes) -> None:
         transport = self._transport
@@ -378,11 +599,10 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        message = quote(details, safe=_MESSAGE_SAFE).encode("ascii")
+        close = _CLOSE if self._lane.draining or self._closing else b""
         transport.write(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ngrpc-status: %d\r\n"
-            b"grpc-message: %s\r\ncontent-length: 0\r\n%s\r\n"
-            % (code.value[0], message, _CLOSE if self._lane.draining else b"")
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\n%scontent-length: 0\r\n%s\r\n"
+            % (_status_fields(code, details), close)
         )
 
     def close_when_idle(self) -> None:
@@ -399,6 +619,12 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.write(_BAD_REQUEST)
             self._transport.close()
+
+
+def _status_fields(code: grpc.StatusCode, details: str) -> bytes:
+    """`grpc-status` and `grpc-message` as header or trailer lines."""
+    message = quote(details, safe=_MESSAGE_SAFE).encode("ascii")
+    return b"grpc-status: %d\r\ngrpc-message: %s\r\n" % (code.value[0], message)
 
 
 def _metadata(request: _Request) -> tuple[tuple[tuple[str, Any], ...], float | None, bytes]:

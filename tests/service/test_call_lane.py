@@ -8,6 +8,7 @@ import gzip
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote
@@ -193,10 +194,10 @@ def test_grpc_timeout_is_the_calls_deadline(lane):
     assert answer.grpc_status == 0
 
 
-def test_unknown_and_stream_methods_are_unimplemented(lane):
+def test_unknown_methods_are_unimplemented(lane):
     path, _ = lane
     message = sequence_request(1, 10).SerializeToString()
-    for method in ("/riskscoring.v1.RiskScoring/Nope", "/riskscoring.v1.RiskScoring/ScoreStream"):
+    for method in ("/riskscoring.v1.RiskScoring/Nope", "/grpc.health.v1.Health/Watch"):
         answer = _call(path, _request(method, message))
         assert answer.grpc_status == grpc.StatusCode.UNIMPLEMENTED.value[0], method
 
@@ -319,3 +320,129 @@ def test_through_the_front_a_grpc_client_gets_answers_and_statuses(models: Path)
             stub.Score(bad, metadata=metadata, timeout=10)
         assert invalid.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "größe" in invalid.value.details()  # percent-encoded on the way, decoded here
+
+
+SCORE_STREAM = "/riskscoring.v1.RiskScoring/ScoreStream"
+
+
+def _frame(message: bytes) -> bytes:
+    body = b"\0" + len(message).to_bytes(4, "big") + message
+    return b"%x\r\n" % len(body) + body + b"\r\n"
+
+
+def _stream_head(token: str | None = TOKEN) -> bytes:
+    auth = f"authorization: Bearer {token}\r\n" if token else ""
+    return (
+        f"POST {SCORE_STREAM} HTTP/1.1\r\nhost: lane\r\ntransfer-encoding: chunked\r\n"
+        f"content-type: application/grpc\r\nte: trailers\r\n{auth}\r\n"
+    ).encode()
+
+
+class _Chunks:
+    """A stream's response read as it comes: its head, then its messages one by one."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.raw = b""
+        self.head = self._until(b"\r\n\r\n").decode("latin-1")
+
+    def _until(self, marker: bytes) -> bytes:
+        while marker not in self.raw:
+            data = self.conn.recv(65536)
+            assert data, f"closed before {marker!r}: {self.raw!r}"
+            self.raw += data
+        taken, _, self.raw = self.raw.partition(marker)
+        return taken
+
+    def message(self) -> pb.ScoreResponse:
+        size = int(self._until(b"\r\n"), 16)
+        while len(self.raw) < size + 2:
+            self.raw += self.conn.recv(65536)
+        chunk, self.raw = self.raw[:size], self.raw[size + 2 :]
+        return pb.ScoreResponse.FromString(chunk[5:])
+
+    def trailers(self) -> dict[str, str]:
+        assert self._until(b"\r\n") == b"0"
+        text = self._until(b"\r\n\r\n").decode("latin-1")
+        return dict(_field(line) for line in text.split("\r\n") if line)
+
+
+def test_a_stream_answers_each_message_as_it_comes_then_its_status(lane):
+    path, _ = lane
+    with _connect(path) as conn:
+        conn.sendall(_stream_head())
+        chunks = None
+        for i in range(3):  # one at a time: each answer comes before the next is sent
+            conn.sendall(_frame(sequence_request(i, 10).SerializeToString()))
+            chunks = chunks or _Chunks(conn)
+            assert chunks.message().request_id == f"q{i}"
+        assert chunks is not None and "transfer-encoding: chunked" in chunks.head
+        conn.sendall(b"".join(_frame(sequence_request(i, 10).SerializeToString()) for i in (3, 4)))
+        conn.sendall(b"0\r\n\r\n")  # the caller half-closes
+        assert sorted(chunks.message().request_id for _ in range(2)) == ["q3", "q4"]
+        assert chunks.trailers() == {"grpc-status": "0", "grpc-message": ""}
+
+
+def test_a_stream_without_credentials_or_with_an_oversized_message_ends_with_its_status(lane):
+    path, _ = lane
+    refused = _call(path, _stream_head(None) + _frame(b"") + b"0\r\n\r\n")
+    assert refused.grpc_status == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    with _connect(path) as conn:
+        conn.sendall(_stream_head())
+        conn.sendall(_frame(sequence_request(1, 10).SerializeToString()))
+        chunks = _Chunks(conn)
+        assert chunks.message().request_id == "q1"
+        conn.sendall(_frame(bytes(5000)))  # beyond the 4 KiB limit
+        trailers = chunks.trailers()
+    assert trailers["grpc-status"] == str(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    assert "larger than max" in unquote(trailers["grpc-message"])
+
+
+def test_a_stream_whose_answers_are_not_read_stops_reading(models: Path):
+    """A caller that sends without reading fills the socket's buffers, not the server."""
+    folder = Path(tempfile.mkdtemp(prefix="lane-"))
+    path = folder / "calls.sock"
+    try:
+        server = LiveServer(
+            calls_path=path, models_dir=models, default_model="seq-mini", max_stream_in_flight=4
+        )
+        with server, _connect(path) as conn:
+            conn.sendall(_stream_head(None))
+            frame = _frame(sequence_request(1, 10).SerializeToString())
+            conn.settimeout(2.0)
+            sent = 0
+            with pytest.raises(TimeoutError):
+                while sent < 200_000:  # far beyond what the buffers hold
+                    conn.sendall(frame)
+                    sent += 1
+            assert sent < 200_000
+            conn.settimeout(30)
+            chunks = _Chunks(conn)  # and it still answers what it read
+            assert chunks.message().request_id == "q1"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_a_stop_ends_an_open_stream_unavailable_after_answering_what_it_read(models: Path):
+    folder = Path(tempfile.mkdtemp(prefix="lane-"))
+    path = folder / "calls.sock"
+    try:
+        server = LiveServer(calls_path=path, models_dir=models, default_model="seq-mini")
+        server.__enter__()
+        stopping = threading.Thread(target=server.stop)  # the stop under test, and the cleanup
+        try:
+            with _connect(path) as conn:
+                conn.sendall(_stream_head(None))
+                conn.sendall(_frame(sequence_request(1, 10).SerializeToString()))
+                chunks = _Chunks(conn)
+                assert chunks.message().request_id == "q1"
+                stopping.start()
+                trailers = chunks.trailers()
+        finally:
+            if not stopping.is_alive() and server.server is not None:
+                stopping.start()
+            stopping.join(timeout=60)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert trailers["grpc-status"] == str(grpc.StatusCode.UNAVAILABLE.value[0])
+    assert "shutting down" in unquote(trailers["grpc-message"])
