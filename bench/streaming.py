@@ -14,7 +14,9 @@ Part 2, the project's client: `--callers` asyncio tasks scoring back to back, fi
 Score calls on one channel, then on the ScoreStreams the client shares among concurrent calls
 (its default).
 
-Servers: ``riskserve`` (batching on, budget `--budget-ms`, FP32 ONNX Runtime as the peers),
+Servers: ``riskserve-front`` (as deployed: HAProxy before one worker, calls and streams on its
+call lane), ``riskserve`` (the lone server; both batching on, budget `--budget-ms`, FP32 ONNX
+Runtime as the peers),
 ``grpc-floor`` (bench.rpc_floor: answers zeros, computes nothing) and ``triton`` (tritonserver
 2.51 with the Python backend running ONNX Runtime, dynamic batching; bench/peers/setup.sh).
 Clients share the cores with the server; compare only figures of one run.
@@ -56,7 +58,7 @@ __all__ = [
     "started_servers",
 ]
 
-SERVERS = ("riskserve", FLOOR, "triton")
+SERVERS = ("riskserve-front", "riskserve", FLOOR, "triton")
 MODES = ("unary", "streaming")
 MANIFEST = DEMO_MODEL_PATH.parent / "manifest.json"
 
@@ -125,14 +127,29 @@ class _Usage:
         return {kind: _per_request_us(per_s, rps) for kind, per_s in self.threads_per_s.items()}
 
 
+def _serving_pid(server: ServerProcess) -> int:
+    """The process whose threads answer the calls: the server's own, or the one worker behind
+    the front (whose HAProxy and supervising process count in the total only)."""
+    try:
+        children = psutil.Process(server.pid).children(recursive=True)
+        names = [c.name() for c in children]
+    except psutil.Error:
+        return server.pid
+    if not any("haproxy" in name for name in names):
+        return server.pid  # alone, or a peer (Triton's backend processes are children too)
+    workers = [c for c, name in zip(children, names, strict=True) if "haproxy" not in name]
+    return workers[0].pid if len(workers) == 1 else server.pid
+
+
 def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, _Usage]:
     """Run `run()`; the server's CPU from `ramp_s` after it starts to its end, and the whole
     machine's busy time over the same span, each per second of the span."""
     marks: dict[str, Any] = {}
+    pid = _serving_pid(server)
 
     def mark() -> None:
         marks["t0"], marks["c0"] = time.monotonic(), server.cpu_seconds()
-        marks["m0"], marks["threads"] = _machine_busy_s(), _thread_seconds(server.pid)
+        marks["m0"], marks["threads"] = _machine_busy_s(), _thread_seconds(pid)
 
     timer = threading.Timer(ramp_s, mark)
     timer.start()
@@ -141,7 +158,7 @@ def _cpu_during(server: ServerProcess, ramp_s: float, run) -> tuple[object, _Usa
     finally:
         timer.cancel()
     end_t, end_cpu, end_busy = time.monotonic(), server.cpu_seconds(), _machine_busy_s()
-    end_threads = _thread_seconds(server.pid)
+    end_threads = _thread_seconds(pid)
     if "t0" not in marks or end_t - marks["t0"] < 0.5:
         return result, _Usage()
     span = end_t - marks["t0"]
@@ -276,7 +293,9 @@ async def _callers(target: str, mode: str, callers: int, duration_s: float, requ
     }
 
 
-def client_points(server: ServerProcess, args: argparse.Namespace, log=print) -> list[Point]:
+def client_points(
+    server: ServerProcess, args: argparse.Namespace, log=print, name: str = "riskserve"
+) -> list[Point]:
     requests = _score_requests(256, args.history_len)
     points = []
     for mode in ("unary", "stream"):
@@ -290,7 +309,7 @@ def client_points(server: ServerProcess, args: argparse.Namespace, log=print) ->
         assert isinstance(result, dict)
         rps = result["rps"]
         point = Point(
-            "riskserve",
+            name,
             f"riskclient {mode}",
             args.callers,
             rps,
@@ -390,24 +409,30 @@ def _targets(rows: dict[str, dict], client: Sequence[Point]) -> list[str]:
     def get(key: str, part: str) -> Point | None:
         return rows.get(key, {}).get(part)
 
-    stream, unary = get("riskserve streaming", "at"), get("riskserve unary", "at")
     triton_stream = get("triton streaming", "at")
-    if stream and unary:
-        ratio = stream.cpu_us_per_request / unary.cpu_us_per_request
-        lines.append(f"riskserve streaming CPU/req / unary: {ratio:.2f} (target <= 0.5)")
-    if stream and triton_stream:
-        ratio = stream.cpu_us_per_request / triton_stream.cpu_us_per_request
-        lines.append(f"riskserve streaming CPU/req / Triton streaming: {ratio:.2f} (target <= 1)")
-    best_stream, triton_unary = get("riskserve streaming", "best"), get("triton unary", "best")
-    if best_stream and triton_unary:
-        ratio = best_stream.rps / triton_unary.rps
-        lines.append(f"best streaming rate / Triton's best unary: {ratio:.2f} (target >= 1)")
-    if len(client) == 2:
-        unary_c, stream_c = client
-        lines.append(
-            f"client stream / unary: rate {stream_c.rps / unary_c.rps:.2f}x, "
-            f"p99 {stream_c.p99_ms / unary_c.p99_ms:.2f}x (target: rate > 1, p99 < 1)"
-        )
+    triton_unary = get("triton unary", "best")
+    for ours in ("riskserve-front", "riskserve"):
+        stream, unary = get(f"{ours} streaming", "at"), get(f"{ours} unary", "at")
+        if stream and unary:
+            ratio = stream.cpu_us_per_request / unary.cpu_us_per_request
+            lines.append(f"{ours} streaming CPU/req / unary: {ratio:.2f} (target <= 0.5)")
+        if stream and triton_stream:
+            ratio = stream.cpu_us_per_request / triton_stream.cpu_us_per_request
+            lines.append(f"{ours} streaming CPU/req / Triton streaming: {ratio:.2f} (target <= 1)")
+        best_stream = get(f"{ours} streaming", "best")
+        if best_stream and triton_unary:
+            ratio = best_stream.rps / triton_unary.rps
+            lines.append(
+                f"{ours} best streaming rate / Triton's best unary: {ratio:.2f} (target >= 1)"
+            )
+    for ours in dict.fromkeys(p.server for p in client):
+        pair = [p for p in client if p.server == ours]
+        if len(pair) == 2:
+            unary_c, stream_c = pair
+            lines.append(
+                f"{ours}: client stream / unary: rate {stream_c.rps / unary_c.rps:.2f}x, "
+                f"p99 {stream_c.p99_ms / unary_c.p99_ms:.2f}x (target: rate > 1, p99 < 1)"
+            )
     return lines
 
 
@@ -469,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     points: list[Point] = []
     for name, server in started_servers(args, "streaming"):
         points += perf_points(server, name, args)
-        if name == "riskserve" and not args.no_client:
-            points += client_points(server, args)
+        if name.startswith("riskserve") and not args.no_client:
+            points += client_points(server, args, name=name)
     summary = summarize(points, args)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     out = RESULTS_DIR / "streaming.json"
