@@ -63,7 +63,8 @@ PEERS = ("triton", "mlserver")
 FLOOR = "grpc-floor"
 FLOOR_SYNC = "grpc-floor-sync"
 FLOOR_ENGINE = "grpc-floor-engine"
-FLOORS = (FLOOR, FLOOR_SYNC, FLOOR_ENGINE)
+FLOOR_LANE = "grpc-floor-lane"
+FLOORS = (FLOOR, FLOOR_SYNC, FLOOR_ENGINE, FLOOR_LANE)
 ALL_SERVERS = ("riskserve", "riskserve-nobatch", *PEERS)
 
 
@@ -160,7 +161,12 @@ def server_spec(name: str, onnx_path: Path, knobs: Knobs) -> ServerSpec:
         )
         return triton_spec(onnx_path, WORK_DIR / "triton", config, free_port())
     if name in FLOORS:
-        spec = echo_spec(free_port(), sync=name == FLOOR_SYNC, engine=name == FLOOR_ENGINE)
+        spec = echo_spec(
+            free_port(),
+            sync=name == FLOOR_SYNC,
+            engine=name == FLOOR_ENGINE,
+            lane=name == FLOOR_LANE,
+        )
         return replace(spec, name=name)
     if name == "mlserver":
         mlserver = MLServerConfig(

@@ -11,11 +11,13 @@ fixed score, so that `make loadtest`'s mix can run against it (`bench.loadtest_s
 an unknown feature or a NaN with INVALID_ARGUMENT as the mix expects.
 
 `grpc-floor-sync` is the same servicer on gRPC's other Python server, `grpc.server` with a
-thread pool. `grpc-floor-engine` adds the bare engine to the bare transport: it scores each
-request's own rows with the demo model in ONNX Runtime (one thread, as riskserve's sessions),
-on the event loop, and nothing more (no batching across requests, no deadlines, metrics or
-traces, no range checks). `bench.compare` and `bench.streaming` start them by these names;
-alone:
+thread pool. `grpc-floor-lane` is the grpc.aio one behind HAProxy as riskserve deploys a worker
+(`service.front`): unary calls and streams reach it on a call lane, HTTP/1.1 on a Unix socket
+(`service.api.http1`). `grpc-floor-engine` adds the bare engine to the bare transport: it
+scores each request's own rows with the demo model in ONNX Runtime (one thread, as riskserve's
+sessions), on the event loop, and nothing more (no batching across requests, no deadlines,
+metrics or traces, no range checks). `bench.compare` and `bench.streaming` start them by these
+names; alone:
 
     .venv/bin/python -m bench.rpc_floor --grpc-port 8011 [--sync | --engine]
 """
@@ -24,9 +26,13 @@ from __future__ import annotations
 
 import argparse
 import math
+import shutil
+import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -294,11 +300,17 @@ def _answers(engine: bool = False) -> _Answers:
     return _Answers(io, load_manifest(DEMO_MODEL_PATH.parent), session)
 
 
-def echo_spec(port: int, *, sync: bool = False, engine: bool = False) -> ServerSpec:
+def echo_spec(
+    port: int, *, sync: bool = False, engine: bool = False, lane: bool = False
+) -> ServerSpec:
     """The do-nothing server as a process on `port`: grpc.aio, or the thread-pool server;
-    with `engine`, the grpc.aio one that runs the model on each request's rows."""
+    with `engine`, the grpc.aio one that runs the model on each request's rows; with `lane`,
+    the grpc.aio one behind HAProxy as riskserve deploys a worker (calls and streams on a call
+    lane)."""
     if sync:
         name, call = "grpc thread-pool echo", f"f._serve_echo_sync({port})"
+    elif lane:
+        name, call = "grpc.aio echo behind the front", f"asyncio.run(f._serve_lane({port}))"
     else:
         name, call = "grpc.aio echo", f"asyncio.run(f._serve_echo({port}, {engine}))"
     return ServerSpec(
@@ -318,6 +330,41 @@ async def _serve_echo(port: int, engine: bool = False) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+async def _serve_lane(port: int) -> None:
+    """The do-nothing servicer as a worker behind the front: HAProxy on `port` (configured by
+    `service.front`, no limit on calls), unary calls and streams on a call lane (HTTP/1.1,
+    `service.api.http1`), the rest on the worker's gRPC socket."""
+    from service.api.http1 import CallLane
+    from service.api.registration import generic_handler
+    from service.config import Settings
+    from service.front import find_haproxy, write
+
+    haproxy = find_haproxy()
+    if haproxy is None:
+        raise SystemExit("grpc-floor-lane needs HAProxy")
+    folder = Path(tempfile.mkdtemp(prefix="floor-lane-"))
+    grpc_socket, lane_socket = folder / "grpc.sock", folder / "calls.sock"
+    handlers = (
+        generic_handler(_Echo(_answers()), oip.DESCRIPTOR.services_by_name["GRPCInferenceService"]),
+    )
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers(handlers)
+    server.add_insecure_port(f"unix:{grpc_socket}")
+    await server.start()
+    lane = CallLane(handlers)
+    await lane.start(str(lane_socket))
+    settings = Settings.model_validate(
+        {"port": port, "metrics_port": None, "max_requests_in_progress": 10_000}
+    )
+    config = write(folder, settings, [str(grpc_socket)], call_lanes=[str(lane_socket)])
+    proxy = subprocess.Popen([haproxy, "-db", "-f", str(config)])  # in this process's group
+    try:
+        await server.wait_for_termination()
+    finally:
+        proxy.terminate()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _serve_echo_sync(port: int) -> None:

@@ -390,7 +390,8 @@ def summarize(points: Sequence[Point], args: argparse.Namespace) -> dict:
         print(f"the project's client, {args.callers} concurrent callers, one process")
         for p in client:
             print(
-                f"{p.mode:<22} {p.rps:>8.0f} req/s  p50 {p.p50_ms:6.2f}  p99 {p.p99_ms:6.2f} ms"
+                f"{p.server:<16} {p.mode:<18} {p.rps:>8.0f} req/s  p50 {p.p50_ms:6.2f}  "
+                f"p99 {p.p99_ms:6.2f} ms"
                 f"  server {p.cpu_us_per_request:5.0f} CPU-us/req"
                 + (f"  errors {p.errors}" if p.errors else "")
             )
