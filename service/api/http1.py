@@ -41,7 +41,7 @@ from urllib.parse import quote
 import grpc
 import httptools
 
-__all__ = ["MAX_HEADER_BYTES", "STREAM_READ_AHEAD", "CallLane", "parse_timeout"]
+__all__ = ["MAX_HEADER_BYTES", "MAX_PIPELINED", "STREAM_READ_AHEAD", "CallLane", "parse_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 16 * 1024
 # Messages a stream reads ahead of its handler before it stops reading the connection.
 STREAM_READ_AHEAD = 64
+# Calls a connection may send before the one in flight is answered (HAProxy sends none): more
+# end the connection, so that a caller cannot queue calls without bound.
+MAX_PIPELINED = 8
 
 # Headers that are the transport's, not the call's metadata (gRPC leaves them out too).
 _TRANSPORT_HEADERS = frozenset(
@@ -401,8 +404,10 @@ class _Connection(asyncio.Protocol):
         self._request.received = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
-        self._request.path += url
-        self._request.header_bytes += len(url)
+        request = self._request
+        request.header_bytes += len(url)
+        if request.header_bytes <= MAX_HEADER_BYTES:
+            request.path += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
         request = self._request
@@ -435,7 +440,7 @@ class _Connection(asyncio.Protocol):
         if self._stream is not None:
             self._stream.end()
             return
-        if self._parser.get_method() != b"POST":
+        if self._parser.get_method() != b"POST" or len(self._pending) >= MAX_PIPELINED:
             self._fail_connection()
             return
         self._pending.append(self._request)

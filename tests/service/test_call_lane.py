@@ -22,7 +22,7 @@ from waiting import wait_until
 from bench.servers import free_port
 from riskscoring.v1 import risk_scoring_pb2 as pb
 from riskscoring.v1 import risk_scoring_pb2_grpc as pb_grpc
-from service.api.http1 import parse_timeout
+from service.api.http1 import MAX_HEADER_BYTES, MAX_PIPELINED, parse_timeout
 
 SCORE = "/riskscoring.v1.RiskScoring/Score"
 TOKEN = "lane-secret"
@@ -253,6 +253,25 @@ def test_calls_on_one_connection_are_answered_in_order_even_sent_together(lane):
     assert ids == [f"q{i}" for i in range(5)]
 
 
+def test_calls_queued_beyond_the_bound_or_a_huge_path_end_the_connection(lane):
+    path, _ = lane
+    request = _request(SCORE, sequence_request(1, 10).SerializeToString())
+    with _connect(path) as conn:
+        conn.sendall(request * (MAX_PIPELINED + 3))  # one in flight, more queued than allowed
+        raw = b""
+        while data := conn.recv(65536):
+            raw += data
+    assert raw.count(b"grpc-status: 0") <= MAX_PIPELINED + 1
+    assert raw.endswith(
+        b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+    )
+    huge = _request("/" + "x" * (2 * MAX_HEADER_BYTES), b"")
+    with _connect(path) as conn:
+        conn.sendall(huge)
+        (answer,) = _read(conn)
+    assert answer.grpc_status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
 def test_bad_http_gets_400_and_a_caller_gone_mid_call_leaves_the_lane_serving(lane):
     path, server = lane
     with _connect(path) as conn:
@@ -265,11 +284,13 @@ def test_bad_http_gets_400_and_a_caller_gone_mid_call_leaves_the_lane_serving(la
     for i in range(20):  # sent, then gone before the answer
         with _connect(path) as conn:
             conn.sendall(_request(SCORE, sequence_request(i, 10).SerializeToString()))
+    # Until the lane has read that those callers left, their calls count as in progress (and
+    # may fill the admission limit): it answers again once each has ended.
+    request = _request(SCORE, sequence_request(7, 10).SerializeToString())
+    wait_until(lambda: _call(path, request).grpc_status == 0)
     assert server.server is not None
     admission = server.server.oip.admission  # type: ignore[attr-defined]
-    wait_until(lambda: admission.active == 0)  # each call ended, answered or cancelled
-    answer = _call(path, _request(SCORE, sequence_request(7, 10).SerializeToString()))
-    assert answer.grpc_status == 0, answer.grpc_message
+    wait_until(lambda: admission.active == 0)  # none left holding a place
 
 
 def test_a_stopped_server_closes_its_lane(models: Path):
