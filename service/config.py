@@ -98,8 +98,9 @@ class Settings(BaseSettings):
     processes: int = Field(
         1,
         ge=1,
-        description="Server processes: behind the front, each on a socket of its own; without "
-        "it, sharing the port (SO_REUSEPORT; needs a fixed port). 'auto': one per CPU core.",
+        description="Server processes: behind the front, each on Unix sockets of its own (its "
+        "gRPC port, and a call lane for calls and streams); without it, sharing the port "
+        "(SO_REUSEPORT; needs a fixed port). 'auto': one per CPU core.",
     )
     front: Literal["haproxy", "auto"] | None = Field(
         None,
