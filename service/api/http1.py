@@ -74,6 +74,7 @@ _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 _OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n"
 _OK_TAIL = b"\r\n0\r\ngrpc-status: 0\r\n\r\n"
 _CLOSE = b"connection: close\r\n"
+_CLOSE_WAIT_S = 1.0  # how long a failed connection's last answer may wait to be read
 _BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
@@ -213,6 +214,10 @@ class _StreamCall:
         return self
 
     async def __anext__(self) -> Any:
+        if self.frames:
+            # One message a turn of the loop, as gRPC's transport reads them: the turn's end
+            # queues what was read, and answers come back in between.
+            await asyncio.sleep(0)
         while not self.frames:
             if self.ended:
                 raise StopAsyncIteration
@@ -236,18 +241,23 @@ def _inflated(frame: bytes, encoding: bytes, limit: int) -> bytes | tuple[grpc.S
     refuses it."""
     if frame[0] == 0:
         return frame[5:]
-    if frame[0] != 1 or encoding not in (b"gzip", b"deflate"):
-        kind = encoding.decode("ascii", "replace") or "none named"
+    if frame[0] != 1 or encoding in (b"", b"identity"):
+        return grpc.StatusCode.INTERNAL, "a compressed message with no grpc-encoding to inflate it"
+    if encoding not in (b"gzip", b"deflate"):
+        kind = encoding.decode("ascii", "replace")
         return grpc.StatusCode.UNIMPLEMENTED, f"grpc-encoding {kind} is not supported"
     inflate = zlib.decompressobj(31 if encoding == b"gzip" else 15)
+    broken = (grpc.StatusCode.INTERNAL, f"the {encoding.decode()} message does not inflate")
     try:
         message = inflate.decompress(frame[5:], limit + 1)
     except zlib.error:
-        return grpc.StatusCode.INTERNAL, f"the {encoding.decode()} message does not inflate"
+        return broken
     if len(message) > limit:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, (
             f"Received message larger than max (over {limit} inflated)"
         )
+    if not inflate.eof or inflate.unused_data:  # cut short (no checksum), or more after it
+        return broken
     return message
 
 
@@ -373,13 +383,21 @@ class _Connection(asyncio.Protocol):
             self.current.cancel()  # the caller went away: its call is not answered
 
     def pause_writing(self) -> None:
+        """The caller is not reading: a stream's writes wait; unary calls stop being read
+        and started, so that their answers do not pile up here."""
         if self._writable is None:
             self._writable = asyncio.get_running_loop().create_future()
+        if self._stream is None:
+            self.pause_reading()
 
     def resume_writing(self) -> None:
         writable, self._writable = self._writable, None
         if writable is not None and not writable.done():
             writable.set_result(None)
+        if self._stream is None and not self._closing:
+            self.resume_reading()
+            if self.current is None and self._pending:
+                self._next()
 
     def pause_reading(self) -> None:
         if self._reading and self._transport is not None and not self._transport.is_closing():
@@ -455,6 +473,8 @@ class _Connection(asyncio.Protocol):
             if self._closing and self._transport is not None:
                 self._transport.close()
             return
+        if self._writable is not None:
+            return  # the caller reads no answers: the next call starts when it does
         request = self._pending.popleft()
         self.current = asyncio.get_running_loop().create_task(self._call(request))
         self.current.add_done_callback(self._called)
@@ -621,9 +641,12 @@ class _Connection(asyncio.Protocol):
 
     def _fail_connection(self) -> None:
         self._closing = True
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(_BAD_REQUEST)
-            self._transport.close()
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(_BAD_REQUEST)
+            transport.close()
+            # A caller that reads nothing would hold the connection while the answer waits.
+            asyncio.get_running_loop().call_later(_CLOSE_WAIT_S, transport.abort)
 
 
 def _status_fields(code: grpc.StatusCode, details: str) -> bytes:

@@ -467,3 +467,35 @@ def test_a_stop_ends_an_open_stream_unavailable_after_answering_what_it_read(mod
         shutil.rmtree(folder, ignore_errors=True)
     assert trailers["grpc-status"] == str(grpc.StatusCode.UNAVAILABLE.value[0])
     assert "shutting down" in unquote(trailers["grpc-message"])
+
+
+def test_a_caller_that_reads_no_answers_stops_being_read(lane):
+    """Unary answers a caller leaves unread wait in the socket, not in the worker: once the
+    transport's buffer is full the lane stops reading that connection and starting its calls."""
+    path, server = lane
+    assert server.server is not None and server.server.lane is not None
+    connections = server.server.lane._connections
+    before = set(connections)
+    # An unknown method's answer repeats its path, percent-encoded: three bytes a '%'.
+    request = _request("/" + "%" * 15_000, b"")
+    with _connect(path) as conn:
+        wait_until(lambda: len(set(connections) - before) == 1)
+        (mine,) = set(connections) - before
+        sent = 0
+        while mine._reading:
+            assert sent < 2_000, "the lane kept reading a caller that reads nothing"
+            conn.sendall(request)
+            sent += 1
+            wait_until(lambda: not mine._reading or (mine.current is None and not mine._pending))
+        assert mine._transport.get_write_buffer_size() < 4 * 1024 * 1024
+
+
+def test_a_compressed_message_cut_short_or_with_more_after_it_is_refused(lane):
+    path, _ = lane
+    packed = gzip.compress(sequence_request(2, 10).SerializeToString())
+    for broken in (packed[:-8], packed + b"more"):  # no checksum; bytes after the end
+        answer = _call(path, _request(SCORE, broken, {"grpc-encoding": "gzip"}, flag=1))
+        assert answer.grpc_status == grpc.StatusCode.INTERNAL.value[0]
+        assert "does not inflate" in answer.grpc_message
+    answer = _call(path, _request(SCORE, packed, {"grpc-encoding": "identity"}, flag=1))
+    assert answer.grpc_status == grpc.StatusCode.INTERNAL.value[0]
