@@ -26,9 +26,10 @@ sees SERVING while the front sheds.
 Where riskserve runs the workers, `calls` and `streams` reach each on its call lane, a second
 Unix socket where the worker takes unary calls and bidirectional streams over HTTP/1.1
 (`service.api.http1`): gRPC's Python transport costs a worker more CPU a call than the demo
-model's run, the lane a tenth of it. `control` reaches the worker's gRPC socket (health's Watch
-streams from the server, which the lane does not take). A configuration from `front-config`,
-for workers run some other way, sends every call to their gRPC ports.
+model's run, the lane and HAProxy together a quarter of it. `control` reaches the worker's
+gRPC socket (health's Watch streams from the server, which the lane does not take). A
+configuration from `front-config`, for workers run some other way, sends every call to their
+gRPC ports.
 """
 
 from __future__ import annotations
@@ -162,7 +163,8 @@ def haproxy_config(
     or a Unix socket's absolute path); `metrics_port`: HAProxy's Prometheus endpoint;
     `admin_socket`: its runtime API, through which each worker's limit is sized
     (`service.front_limits`); `call_lanes`: each worker's call lane (a Unix socket's path,
-    `service.api.http1`), where unary calls go over HTTP/1.1 instead of to `workers`."""
+    `service.api.http1`), where unary calls and streams go over HTTP/1.1 instead of to
+    `workers`."""
     if not workers:
         raise ValueError("the front needs at least one worker address")
     if call_lanes is not None and len(call_lanes) != len(workers):

@@ -174,8 +174,8 @@ async def build_server(
     TensorRT plans and ONNX variants beside ONNX Runtime FP32, which is also the fallback.
     `address`, where given, is where the server listens in plaintext instead of the settings'
     host and port: a worker's socket behind the front, which holds the TLS. `calls_path`, where
-    given, is the Unix socket of the worker's call lane, where the front sends unary calls over
-    HTTP/1.1 (`service.api.http1`).
+    given, is the Unix socket of the worker's call lane, where the front sends unary calls and
+    streams over HTTP/1.1 (`service.api.http1`).
     """
     telemetry = setup_telemetry(settings)
     # What a start that fails part-way has set going is stopped again, last first: in a

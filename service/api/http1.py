@@ -1,4 +1,4 @@
-"""The call lane: a worker's unary gRPC calls from the front, over HTTP/1.1.
+"""The call lane: a worker's unary calls and bidirectional streams from the front, over HTTP/1.1.
 
 Behind the front, a unary call need not pay for gRPC's Python transport (about 0.2 ms of CPU a
 call, more than the demo model's run): HAProxy speaks HTTP/2 to the caller and HTTP/1.1 to
@@ -277,7 +277,8 @@ class _Request:
 
 
 class CallLane:
-    """Unary calls over HTTP/1.1 on a Unix socket, answered by a server's method handlers."""
+    """Unary calls and bidirectional streams over HTTP/1.1 on a Unix socket, answered by a
+    server's method handlers."""
 
     def __init__(
         self,
@@ -288,7 +289,7 @@ class CallLane:
         self._generic = tuple(handlers)
         self._interceptors = tuple(interceptors)
         self.max_message_bytes = max_message_bytes
-        self._methods: dict[bytes, grpc.RpcMethodHandler | None] = {}
+        self._methods: dict[bytes, grpc.RpcMethodHandler] = {}
         self._server: asyncio.AbstractServer | None = None
         self._connections: set[_Connection] = set()
         self.draining = False
@@ -304,15 +305,12 @@ class CallLane:
         except KeyError:
             pass
         found = None
-        if len(self._methods) < 1024:  # the known methods are few; others are not kept
-            name = path.decode("ascii", "replace")
-            details = _CallDetails(name, ())
-            for generic in self._generic:
-                found = generic.service(details)
-                if found is not None:
-                    break
+        details = _CallDetails(path.decode("ascii", "replace"), ())
+        for generic in self._generic:
+            found = generic.service(details)
             if found is not None:
-                self._methods[path] = found
+                self._methods[path] = found  # only the registered methods, so a few
+                break
         return found
 
     async def handler(
@@ -345,9 +343,13 @@ class CallLane:
         if busy:
             await asyncio.wait(busy, timeout=grace_s)
         for connection in tuple(self._connections):
-            connection.abort()
+            if connection.current is not None:  # past the grace: cancelled, unanswered
+                connection.abort()
         if self._server is not None:
-            await self._server.wait_closed()
+            # Since Python 3.12 this waits for every connection, one whose peer reads nothing
+            # included: a second more at most.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), _CLOSE_WAIT_S)
 
 
 class _Connection(asyncio.Protocol):
