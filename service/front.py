@@ -174,11 +174,16 @@ def haproxy_config(
     sizing = worker_calls(settings)
     calls = sizing.most if admin_socket is not None else sizing.least
     addresses = [f"unix@{w}" if w.startswith("/") else w for w in workers]
-    # A call lane speaks HTTP/1.1 (HAProxy's default to a server), a worker's gRPC port h2.
-    lanes = [(f"unix@{w}", "") for w in call_lanes] if call_lanes is not None else None
+    # Where calls and streams go: a call lane speaks HTTP/1.1 (HAProxy's default to a server),
+    # a worker's gRPC port h2.
+    scoring = (
+        [(f"unix@{w}", "") for w in call_lanes]
+        if call_lanes is not None
+        else [(a, " proto h2") for a in addresses]
+    )
     limited = "\n".join(
         f"    server worker{i} {address}{proto} maxconn {calls} check inter 1s id {i}"
-        for i, (address, proto) in enumerate(lanes or [(a, " proto h2") for a in addresses], 1)
+        for i, (address, proto) in enumerate(scoring, 1)
     )
     tracking = "\n".join(
         f"    server worker{i} {address} proto h2 track calls/worker{i}"
@@ -186,7 +191,7 @@ def haproxy_config(
     )
     streaming = "\n".join(
         f"    server worker{i} {address}{proto} track calls/worker{i}"
-        for i, (address, proto) in enumerate(lanes or [(a, " proto h2") for a in addresses], 1)
+        for i, (address, proto) in enumerate(scoring, 1)
     )
     bind = f"{_bracketed(settings.host)}:{settings.port}"
     bind_options = tls.bind_options() if tls is not None else " proto h2"

@@ -34,12 +34,14 @@ import logging
 import time
 import zlib
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import quote
 
 import grpc
 import httptools
+
+from service.api.stream import MessageContext
 
 __all__ = ["MAX_HEADER_BYTES", "MAX_PIPELINED", "STREAM_READ_AHEAD", "CallLane", "parse_timeout"]
 
@@ -72,7 +74,7 @@ _TIMEOUT_UNITS = {b"H": 3600.0, b"M": 60.0, b"S": 1.0, b"m": 1e-3, b"u": 1e-6, b
 _MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if chr(c) != "%")
 
 _OK_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: application/grpc\r\ntransfer-encoding: chunked\r\n"
-_OK_TAIL = b"\r\n0\r\ngrpc-status: 0\r\n\r\n"
+_OK_TRAILERS = b"0\r\ngrpc-status: 0\r\n\r\n"
 _CLOSE = b"connection: close\r\n"
 _CLOSE_WAIT_S = 1.0  # how long a failed connection's last answer may wait to be read
 _BAD_REQUEST = b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
@@ -95,30 +97,13 @@ class _CallDetails(grpc.HandlerCallDetails):
         self.invocation_metadata = invocation_metadata
 
 
-class CallContext:
-    """What the handlers and interceptors read of a call's context, for a call on the lane.
-
-    `abort()` records the status and raises as grpc.aio's does, so the RPC boundary maps
-    errors exactly as on the gRPC port.
+class CallContext(MessageContext):
+    """What the handlers and interceptors read of a call's context, for a call on the lane: a
+    stream message's context (`service.api.stream`), with a deadline that may be None and the
+    status setters and auth context a grpc.aio context has.
     """
 
-    __slots__ = ("_code", "_details", "_metadata", "deadline")
-
-    def __init__(self, metadata: tuple[tuple[str, Any], ...], deadline: float | None) -> None:
-        self._metadata = metadata
-        self.deadline = deadline  # monotonic seconds, or None: no deadline
-        self._code = grpc.StatusCode.OK
-        self._details = ""
-
-    def invocation_metadata(self) -> tuple[tuple[str, Any], ...]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        self._code, self._details = code, details
-        raise grpc.aio.AbortError()
+    __slots__ = ()
 
     def set_code(self, code: grpc.StatusCode) -> None:
         self._code = code
@@ -126,17 +111,8 @@ class CallContext:
     def set_details(self, details: str) -> None:
         self._details = details
 
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
     def auth_context(self) -> dict[str, list[bytes]]:
         return {}  # the front holds the TLS; the lane is plaintext on a private socket
-
-    def peer(self) -> str:
-        return "unix:front"
 
 
 class _StreamContext(CallContext):
@@ -259,9 +235,6 @@ def _inflated(frame: bytes, encoding: bytes, limit: int) -> bytes | tuple[grpc.S
     if not inflate.eof or inflate.unused_data:  # cut short (no checksum), or more after it
         return broken
     return message
-
-
-Handler = Callable[[Any, CallContext], Awaitable[Any]]
 
 
 class _Request:
@@ -572,8 +545,7 @@ class _Connection(asyncio.Protocol):
         The answers of one turn of the event loop leave in one write (one system call),
         as gRPC's own transport gathers its frames."""
         self.send_head()
-        size = len(payload) + 5
-        self._out += (b"%x\r\n\x00" % size, len(payload).to_bytes(4, "big"), payload, b"\r\n")
+        self._out += _chunk(payload)
         self._flush_soon()
         if self._writable is not None:
             await self._writable
@@ -607,19 +579,8 @@ class _Connection(asyncio.Protocol):
         transport = self._transport
         if transport is None or transport.is_closing():
             return
-        size = len(payload) + 5
         head = _OK_HEAD + (_CLOSE if self._lane.draining else b"")
-        transport.write(
-            b"".join(
-                (
-                    head,
-                    b"\r\n%x\r\n\x00" % size,
-                    len(payload).to_bytes(4, "big"),
-                    payload,
-                    _OK_TAIL,
-                )
-            )
-        )
+        transport.write(b"".join((head, b"\r\n", *_chunk(payload), _OK_TRAILERS)))
 
     def _status(self, code: grpc.StatusCode, details: str) -> None:
         """A failed call's answer in gRPC's trailers-only form: the status in the headers."""
@@ -649,6 +610,12 @@ class _Connection(asyncio.Protocol):
             transport.close()
             # A caller that reads nothing would hold the connection while the answer waits.
             asyncio.get_running_loop().call_later(_CLOSE_WAIT_S, transport.abort)
+
+
+def _chunk(payload: bytes) -> tuple[bytes, bytes, bytes, bytes]:
+    """One message as a chunk of a response body: its size, gRPC's length prefix (no
+    compression), the message, the chunk's end."""
+    return b"%x\r\n\x00" % (len(payload) + 5), len(payload).to_bytes(4, "big"), payload, b"\r\n"
 
 
 def _status_fields(code: grpc.StatusCode, details: str) -> bytes:

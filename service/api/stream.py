@@ -63,23 +63,24 @@ _DRAINING = "server is shutting down; messages not answered were not accepted, r
 class MessageContext:
     """What the RPC boundary and the handlers read of a call's context, for one message.
 
-    `time_remaining()` is the message's own deadline; `abort()` records the status and raises
-    like grpc.aio's, so the boundary maps errors exactly as for a unary call.
+    `time_remaining()` is the message's own deadline (None where there is none, as grpc.aio
+    says of a call without one); `abort()` records the status and raises like grpc.aio's, so
+    the boundary maps errors exactly as for a unary call.
     """
 
     __slots__ = ("_code", "_details", "_metadata", "deadline")
 
-    def __init__(self, metadata: Any, deadline: float) -> None:
+    def __init__(self, metadata: Any, deadline: float | None) -> None:
         self._metadata = metadata
-        self.deadline = deadline
+        self.deadline = deadline  # monotonic seconds
         self._code = grpc.StatusCode.OK
         self._details = ""
 
     def invocation_metadata(self) -> Any:
         return self._metadata
 
-    def time_remaining(self) -> float:
-        return self.deadline - time.monotonic()
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
 
     async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
         self._code, self._details = code, details

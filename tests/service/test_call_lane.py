@@ -104,10 +104,15 @@ def _request(
     """A request as HAProxy writes one: the gRPC message length-prefixed in a chunked body."""
     fields = {"content-type": "application/grpc", "te": "trailers",
               "authorization": f"Bearer {TOKEN}", **(headers or {})}  # fmt: skip
-    body = bytes([flag]) + len(message).to_bytes(4, "big") + message
     head = f"POST {path} HTTP/1.1\r\nhost: lane\r\ntransfer-encoding: chunked\r\n"
     head += "".join(f"{k}: {v}\r\n" for k, v in fields.items() if v is not None)
-    return head.encode() + b"\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    return head.encode() + b"\r\n" + _frame(message, flag) + b"0\r\n\r\n"
+
+
+def _frame(message: bytes, flag: int = 0) -> bytes:
+    """A gRPC message, length-prefixed, as one chunk of a chunked body."""
+    body = bytes([flag]) + len(message).to_bytes(4, "big") + message
+    return b"%x\r\n" % len(body) + body + b"\r\n"
 
 
 def _connect(path: Path) -> socket.socket:
@@ -344,11 +349,6 @@ def test_through_the_front_a_grpc_client_gets_answers_and_statuses(models: Path)
 
 
 SCORE_STREAM = "/riskscoring.v1.RiskScoring/ScoreStream"
-
-
-def _frame(message: bytes) -> bytes:
-    body = b"\0" + len(message).to_bytes(4, "big") + message
-    return b"%x\r\n" % len(body) + body + b"\r\n"
 
 
 def _stream_head(token: str | None = TOKEN) -> bytes:
